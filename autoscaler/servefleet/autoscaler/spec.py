@@ -1,0 +1,24 @@
+"""LLMDeployment spec → the policy's `ScalingTargets` (the only place that knows both)."""
+
+from __future__ import annotations
+
+from servefleet.api.llmdeployment import LLMDeploymentSpec
+
+from .targets import ScalingTargets
+
+DEFAULT_COLD_START_S = 30.0
+"""Assumed until the first replica has been timed from start to ready."""
+
+
+def targets_from_spec(
+    spec: LLMDeploymentSpec, cold_start_s: float = DEFAULT_COLD_START_S
+) -> ScalingTargets:
+    return ScalingTargets(
+        min_replicas=spec.pool.min_replicas,
+        max_replicas=spec.pool.max_replicas,
+        target_per_replica=spec.autoscaling.target_per_replica,
+        scale_down_delay_s=spec.pool.scale_down_delay,
+        queue_wait_target_s=spec.autoscaling.queue_wait_target,
+        ttft_target_s=spec.autoscaling.ttft_target,
+        default_cold_start_s=cold_start_s,
+    )

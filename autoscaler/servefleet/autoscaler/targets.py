@@ -1,0 +1,30 @@
+"""The scaling knobs the policy needs, independent of where they came from (CR, YAML, sim)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ScalingTargets(BaseModel):
+    """Pool bounds and service targets of one deployment, in plain seconds and counts."""
+
+    model_config = ConfigDict(frozen=True)
+
+    min_replicas: int = Field(ge=0, description="warm pool; 0 enables scale-to-zero")
+    max_replicas: int = Field(ge=1)
+    target_per_replica: float = Field(gt=0, description="in-flight requests per replica")
+    scale_down_delay_s: float = Field(default=300.0, ge=0)
+    queue_wait_target_s: float | None = Field(default=None, gt=0)
+    ttft_target_s: float | None = Field(default=None, gt=0)
+    default_cold_start_s: float = Field(
+        default=60.0, gt=0, description="used until a cold start has been measured"
+    )
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> ScalingTargets:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) must not exceed "
+                f"maxReplicas ({self.max_replicas})"
+            )
+        return self

@@ -1,0 +1,86 @@
+"""`servefleet operator`: run the kopf operator that reconciles LLMDeployments."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from importlib.metadata import PackageNotFoundError, version
+
+
+def default_engine_image() -> str:
+    """The image engine pods run: $SERVEFLEET_ENGINE_IMAGE, else ours at the package version."""
+    try:
+        tag = version("servefleet")
+    except PackageNotFoundError:
+        tag = "latest"
+    return os.environ.get("SERVEFLEET_ENGINE_IMAGE", f"ghcr.io/servefleet/servefleet:{tag}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, in-cluster, ~/.kube/config)"
+    )
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="namespace to watch (repeatable; default: all namespaces)",
+    )
+    parser.add_argument(
+        "--engine-image", default=default_engine_image(), help="image of servefleet engine pods"
+    )
+    parser.add_argument(
+        "--gateway-url",
+        default=os.environ.get(
+            "SERVEFLEET_GATEWAY_URL", "http://servefleet-gateway.servefleet.svc:8080"
+        ),
+        help="base URL of the gateway Service (reported in status.endpoint)",
+    )
+    parser.add_argument(
+        "--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"]
+    )
+    parser.add_argument(
+        "--resync-seconds", type=float, default=30.0, help="drift-repair period per LLMDeployment"
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=8081,
+        help="port of the /healthz liveness endpoint (0: off)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from servefleet.operator.handlers import OperatorSettings, build_registry
+    from servefleet.operator.kube import load_credentials
+
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call is noise
+    settings = OperatorSettings(
+        namespaces=args.namespace,
+        engine_image=args.engine_image,
+        gateway_url=args.gateway_url,
+        image_pull_policy=args.image_pull_policy,
+        resync_seconds=args.resync_seconds,
+    )
+    registry = build_registry(settings, load_credentials(args.kubeconfig))
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            standalone=True,
+            clusterwide=not settings.namespaces,
+            namespaces=settings.namespaces,
+            liveness_endpoint=liveness,
+        )
+    )
+    return 0

@@ -1,0 +1,83 @@
+"""`servefleet up FILE`: run LLMDeployments on this machine (local mode)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from servefleet.cli.logs import setup_logging
+
+if TYPE_CHECKING:
+    from servefleet.local.plane import LocalControlPlane
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("file", type=Path, help="YAML with one or more LLMDeployments (and optional Secrets)")
+    a("--host", default="127.0.0.1", help="address of the gateway and the engines")
+    a("--port", type=int, default=8080, help="gateway port")
+    a("--secrets", type=Path, default=None, help="YAML with Secret documents for tenant keys")
+    a(
+        "--log-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "servefleet" / "local" / "logs",
+        help="engine replica logs",
+    )
+    a("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    log = logging.getLogger("servefleet.up")
+    from servefleet.api.manifests import ManifestError, load_llmdeployments
+    from servefleet.local.engine_command import LocalModeError, engine_command
+    from servefleet.local.plane import LocalControlPlane, LocalOptions
+    from servefleet.local.tenants import MissingSecretError, resolve_local_tenants
+
+    try:
+        deployments = load_llmdeployments(args.file)
+        tenants = resolve_local_tenants(deployments, args.file, args.secrets)
+        for dep in tenants.deployments:
+            engine_command(dep.spec, args.host, 0)  # reject what local mode cannot run, now
+    except (ManifestError, MissingSecretError, LocalModeError) as exc:
+        log.error("%s", exc)
+        return 2
+    plane = LocalControlPlane(
+        tenants.deployments,
+        tenants,
+        LocalOptions(log_dir=args.log_dir, host=args.host, port=args.port),
+    )
+    return asyncio.run(serve_until_signal(plane))
+
+
+async def serve_until_signal(plane: LocalControlPlane) -> int:
+    """Start the plane, print how to use it, and stop everything on SIGINT or SIGTERM."""
+    from servefleet.local.plane import banner
+
+    log = logging.getLogger("servefleet.up")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await plane.start()
+    except (OSError, RuntimeError, SystemExit) as exc:
+        log.error("could not start: %s", exc)
+        await plane.stop()
+        return 1
+    print(banner(plane), flush=True)
+    warm = asyncio.create_task(plane.wait_warm())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({warm, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if warm.done() and not warm.exception():
+        print("ready: warm replicas are serving", flush=True)
+    await stopped
+    warm.cancel()
+    print("stopping: draining engines and the gateway", flush=True)
+    await plane.stop()
+    print("stopped", flush=True)
+    return 0

@@ -1,0 +1,450 @@
+"""The operator against a real API server, controller-manager and the chart's RBAC."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from k8s.kubectl import Kube, OperatorProcess, condition, is_ready, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "llmdeployment.yaml"
+ENGINE = "servefleet.io/component=engine"
+CHILD_KINDS = ["configmap", "service", "deployment", "poddisruptionbudget", "servicemonitor"]
+
+
+def llmd(name: str, **spec: Any) -> str:
+    body: dict[str, Any] = {
+        "apiVersion": "servefleet.io/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name},
+        "spec": {"model": {"name": name, "source": {"builtin": "smollm2-135m-instruct"}}, **spec},
+    }
+    return yaml.safe_dump(body)
+
+
+def selector(name: str) -> str:
+    return f"servefleet.io/llmdeployment={name},{ENGINE}"
+
+
+def status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
+    obj = kube.get("llmd", name, ns)
+    assert obj is not None
+    result: dict[str, Any] = obj.get("status", {})
+    return result
+
+
+def ready_pods(kube: Kube, ns: str, name: str) -> int:
+    return sum(
+        1
+        for p in kube.list("pods", ns, selector(name))
+        if is_ready(p) and not p["metadata"].get("deletionTimestamp")
+    )
+
+
+@pytest.fixture
+def namespace(kube: Kube, request: pytest.FixtureRequest) -> str:
+    name = "e2e-" + request.node.name.removeprefix("test_").replace("_", "-")[:40].strip("-")
+    kube.create_namespace(name)
+    return name
+
+
+def test_chart_lints_and_renders(kube: Kube, rendered_chart: Path) -> None:
+    lint = kube.helm("lint", str(ROOT / "charts" / "servefleet"), "--strict")
+    assert "0 chart(s) failed" in lint
+    kinds = {
+        (d["kind"], d["metadata"]["name"])
+        for d in yaml.safe_load_all(rendered_chart.read_text())
+        if d
+    }
+    for expected in [
+        ("CustomResourceDefinition", "llmdeployments.servefleet.io"),
+        ("Deployment", "servefleet-operator"),
+        ("Deployment", "servefleet-gateway"),
+        ("Service", "servefleet-gateway"),
+        ("Deployment", "servefleet-autoscaler"),
+        ("Deployment", "servefleet-redis"),
+        ("ClusterRole", "servefleet-operator"),
+        ("ServiceMonitor", "servefleet-gateway"),
+        ("ConfigMap", "servefleet-dashboard-servefleet-overview"),
+    ]:
+        assert expected in kinds
+    operator = next(
+        d
+        for d in yaml.safe_load_all(rendered_chart.read_text())
+        if d and d["metadata"]["name"] == "servefleet-operator" and d["kind"] == "Deployment"
+    )
+    version = next(
+        line.split('"')[1]
+        for line in (ROOT / "pyproject.toml").read_text().splitlines()
+        if line.startswith("version")
+    )
+    assert operator["spec"]["template"]["spec"]["containers"][0]["image"].endswith(f":{version}")
+
+
+def test_rendered_chart_is_accepted_by_the_api_server(kube: Kube, installed_chart: Path) -> None:
+    # Applied for real by the fixture; a server-side dry run re-validates every object.
+    out = kube.kubectl(
+        "apply",
+        "--server-side",
+        "--field-manager=helm",
+        "--dry-run=server",
+        "-f",
+        str(installed_chart),
+    )
+    assert "servefleet-operator" in out
+    assert kube.get("deployment", "servefleet-gateway", "servefleet") is not None
+    explain = kube.kubectl("explain", "llmd.spec.pool.minReplicas")
+    assert "The warm pool" in explain
+
+
+def test_example_reconciles_children_status_and_columns(
+    kube: Kube, operator: OperatorProcess, namespace: str
+) -> None:
+    kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+    for kind in CHILD_KINDS:
+        name = "smollm2-gateway-route" if kind == "configmap" else "smollm2-engine"
+        wait_for(f"{kind} {name}", lambda k=kind, n=name: kube.get(k, n, namespace), timeout=60)
+    owner = kube.get("llmd", "smollm2", namespace)
+    assert owner is not None
+    deployment = kube.get("deployment", "smollm2-engine", namespace)
+    assert deployment is not None
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert deployment["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "servefleet:e2e"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    managers = {
+        m["manager"] for m in deployment["metadata"]["managedFields"] if m["operation"] == "Apply"
+    }
+    assert managers == {"servefleet-operator"}
+    service = kube.get("service", "smollm2-engine", namespace)
+    assert service is not None and service["spec"]["clusterIP"] == "None"
+    route = kube.get("configmap", "smollm2-gateway-route", namespace)
+    assert route is not None and "smollm2-engine." in route["data"]["route.yaml"]
+    assert "sk-servefleet" not in json.dumps(route)
+
+    # Defaults from the CRD schema are stored.
+    assert owner["spec"]["engine"]["tensorParallelSize"] == 1
+    assert owner["spec"]["admission"]["maxQueueDepth"] == 64
+
+    s = wait_for(
+        "status",
+        lambda: (
+            status(kube, namespace, "smollm2").get("observedGeneration")
+            == owner["metadata"]["generation"]
+            and status(kube, namespace, "smollm2")
+        ),
+    )
+    assert s["selector"] == "servefleet.io/component=engine,servefleet.io/llmdeployment=smollm2"
+    assert s["endpoint"] == "http://servefleet-gateway.servefleet.svc:8080/v1"
+    assert {c["type"] for c in s["conditions"]} == {"Ready", "Progressing", "Degraded"}
+
+    wait_for("an engine pod", lambda: kube.list("pods", namespace, selector("smollm2")), timeout=60)
+    assert condition(kube.get("llmd", "smollm2", namespace), "Ready")["status"] == "False"
+    kube.mark_pods_ready(namespace, selector("smollm2"))
+    ready = wait_for(
+        "Ready=True",
+        lambda: (
+            (c := condition(kube.get("llmd", "smollm2", namespace), "Ready"))
+            and c["status"] == "True"
+            and c
+        ),
+        timeout=60,
+    )
+    assert ready["reason"] == "WarmPoolReady"
+    table = kube.kubectl("get", "llmd", "-n", namespace)
+    header, row = table.splitlines()[:2]
+    assert header.split() == ["NAME", "MODEL", "ENGINE", "READY", "DESIRED", "QUEUE", "AGE"]
+    assert row.split()[:6] == ["smollm2", "smollm2-135m-instruct", "servefleet", "1", "1", "0"]
+    events = kube.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=LLMDeployment"
+    )
+    assert "WarmPoolReady" in events
+
+
+INVALID = [
+    (
+        "min-over-max",
+        {"pool": {"minReplicas": 4, "maxReplicas": 2}},
+        "pool.minReplicas must be <= pool.maxReplicas",
+    ),
+    (
+        "spill-no-key",
+        {"spillover": {"enabled": True, "baseURL": "https://api.example.com/v1", "model": "gpt"}},
+        "spillover.enabled needs baseURL, model and apiKeySecretRef",
+    ),
+    (
+        "two-sources",
+        {"model": {"name": "m", "source": {"builtin": "a", "url": "https://x/y.gguf"}}},
+        "exactly one of builtin, pvc or url",
+    ),
+    ("bad-engine", {"engine": {"kind": "tgi"}}, 'supported values: "servefleet", "vllm", "sglang"'),
+    (
+        "tp-on-servefleet",
+        {"engine": {"tensorParallelSize": 4}},
+        "tensorParallelSize > 1 needs engine.kind vllm or sglang",
+    ),
+    (
+        "replicas-out",
+        {"replicas": 9, "pool": {"maxReplicas": 3}},
+        "replicas must be within [pool.minReplicas, pool.maxReplicas]",
+    ),
+    ("unknown-field", {"replicaCount": 3}, 'unknown field "spec.replicaCount"'),
+    (
+        "bad-tenant",
+        {"tenants": [{"name": "Team A", "apiKeySecretRef": {"name": "k", "key": "v"}}]},
+        "spec.tenants[0].name",
+    ),
+    (
+        "dup-tenant",
+        {
+            "tenants": [
+                {"name": "a", "apiKeySecretRef": {"name": "k", "key": "v"}},
+                {"name": "a", "apiKeySecretRef": {"name": "k", "key": "w"}},
+            ]
+        },
+        "Duplicate value",
+    ),
+    ("no-model", {"model": None}, "spec.model: Required value"),
+]
+
+
+def test_invalid_resources_are_rejected_with_clear_messages(
+    kube: Kube, installed_chart: Path, namespace: str
+) -> None:
+    for name, spec, message in INVALID:
+        doc = yaml.safe_load(llmd(name))
+        doc["spec"].update(spec)
+        doc["spec"] = {k: v for k, v in doc["spec"].items() if v is not None}
+        done = kube.kubectl_result("create", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(doc))
+        assert done.returncode != 0, f"{name} was accepted"
+        assert message in done.stderr, f"{name}: {done.stderr}"
+    assert kube.list("llmd", namespace) == []
+
+
+def test_kubectl_scale_changes_the_pool(
+    kube: Kube, operator: OperatorProcess, namespace: str
+) -> None:
+    kube.apply_text(llmd("scaled", pool={"minReplicas": 1, "maxReplicas": 4}), namespace)
+    wait_for("engine deployment", lambda: kube.get("deployment", "scaled-engine", namespace))
+    kube.kubectl("scale", "llmd/scaled", "-n", namespace, "--replicas=3")
+    wait_for(
+        "3 replicas",
+        lambda: (
+            (d := kube.get("deployment", "scaled-engine", namespace)) and d["spec"]["replicas"] == 3
+        ),
+    )
+    wait_for(
+        "3 pods", lambda: len(kube.list("pods", namespace, selector("scaled"))) == 3, timeout=60
+    )
+    kube.mark_pods_ready(namespace, selector("scaled"))
+    wait_for(
+        "status 3/3",
+        lambda: (
+            (s := status(kube, namespace, "scaled")).get("readyReplicas") == 3
+            and s.get("desiredReplicas") == 3
+            and s.get("replicas") == 3
+        ),
+        timeout=60,
+    )
+    scale = json.loads(
+        kube.kubectl(
+            "get",
+            "--raw",
+            f"/apis/servefleet.io/v1alpha1/namespaces/{namespace}/llmdeployments/scaled/scale",
+        )
+    )
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
+    assert (
+        scale["status"]["selector"]
+        == "servefleet.io/component=engine,servefleet.io/llmdeployment=scaled"
+    )
+    rejected = kube.kubectl_result("scale", "llmd/scaled", "-n", namespace, "--replicas=9")
+    assert rejected.returncode != 0 and "replicas must be within" in rejected.stderr
+    kube.kubectl("scale", "llmd/scaled", "-n", namespace, "--replicas=1")
+    wait_for(
+        "1 replica",
+        lambda: (
+            len(
+                [
+                    p
+                    for p in kube.list("pods", namespace, selector("scaled"))
+                    if not p["metadata"].get("deletionTimestamp")
+                ]
+            )
+            == 1
+        ),
+        timeout=60,
+    )
+
+
+def test_spec_change_rolls_out_keeping_the_warm_minimum(
+    kube: Kube, operator: OperatorProcess, namespace: str
+) -> None:
+    kube.apply_text(
+        llmd("rolling", replicas=3, pool={"minReplicas": 2, "maxReplicas": 4}), namespace
+    )
+    wait_for(
+        "3 pods", lambda: len(kube.list("pods", namespace, selector("rolling"))) == 3, timeout=60
+    )
+    kube.mark_pods_ready(namespace, selector("rolling"))
+    wait_for(
+        "3 ready", lambda: status(kube, namespace, "rolling").get("readyReplicas") == 3, timeout=60
+    )
+    old_hash = {
+        p["metadata"]["labels"]["pod-template-hash"]
+        for p in kube.list("pods", namespace, selector("rolling"))
+    }
+
+    kube.kubectl(
+        "patch",
+        "llmd/rolling",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"engine":{"maxNumSeqs":8}}}',
+    )
+    lowest, deadline = 3, time.monotonic() + 120
+    while time.monotonic() < deadline:
+        lowest = min(lowest, ready_pods(kube, namespace, "rolling"))
+        pods = [
+            p
+            for p in kube.list("pods", namespace, selector("rolling"))
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+        hashes = {p["metadata"]["labels"]["pod-template-hash"] for p in pods}
+        if len(pods) == 3 and not hashes & old_hash and all(is_ready(p) for p in pods):
+            break
+        # The kubelet's part: one new pod becomes ready at a time, after a beat.
+        time.sleep(0.5)
+        kube.mark_pods_ready(namespace, selector("rolling"), limit=1)
+    else:
+        raise AssertionError("rollout did not finish")
+    assert lowest >= 2, f"ready replicas fell to {lowest} during the rollout"
+    args = kube.get("deployment", "rolling-engine", namespace)["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "8"
+    wait_for(
+        "Progressing=False Complete",
+        lambda: (
+            (c := condition(kube.get("llmd", "rolling", namespace), "Progressing"))
+            and c["reason"] == "Complete"
+        ),
+        timeout=60,
+    )
+
+
+def test_deleting_the_resource_garbage_collects_every_child(
+    kube: Kube, operator: OperatorProcess, namespace: str
+) -> None:
+    kube.apply_text(llmd("doomed"), namespace)
+    wait_for(
+        "children",
+        lambda: all(
+            kube.list(k, namespace, "servefleet.io/llmdeployment=doomed") for k in CHILD_KINDS
+        ),
+        timeout=60,
+    )
+    wait_for("a pod", lambda: kube.list("pods", namespace, selector("doomed")), timeout=60)
+    kube.kubectl("delete", "llmd/doomed", "-n", namespace, "--wait=true", "--timeout=60s")
+    for kind in [*CHILD_KINDS, "replicaset", "pods"]:
+        wait_for(
+            f"{kind} collected",
+            lambda k=kind: not kube.list(k, namespace, "servefleet.io/llmdeployment=doomed"),
+            timeout=90,
+        )
+
+
+def test_operator_restart_creates_no_duplicates_and_keeps_status(
+    kube: Kube, operator: OperatorProcess, namespace: str
+) -> None:
+    names = [f"restart-{i}" for i in range(4)]
+    kube.apply_text("---\n".join(llmd(n) for n in names), namespace)
+    wait_for("first engine deployment", lambda: kube.list("deployment", namespace), timeout=60)
+    operator.restart(hard=True)  # mid-way: some children may exist, some not yet
+    for n in names:
+        wait_for(
+            f"{n} reconciled",
+            lambda n=n: status(kube, namespace, n).get("observedGeneration") == 1,
+            timeout=90,
+        )
+    kube.mark_pods_ready(namespace, ENGINE)
+    for n in names:
+        wait_for(
+            f"{n} ready",
+            lambda n=n: status(kube, namespace, n).get("readyReplicas") == 1,
+            timeout=60,
+        )
+    # The autoscaler's field, which the operator must never clobber.
+    kube.kubectl(
+        "patch",
+        "llmd/restart-0",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        '{"status":{"queueDepth":5}}',
+    )
+    before = {n: status(kube, namespace, n) for n in names}
+
+    operator.restart(hard=False)
+    time.sleep(8)  # resume handlers and at least two drift-repair rounds
+    operator.assert_alive()
+    after = {n: status(kube, namespace, n) for n in names}
+    assert after == before
+    for kind in ["deployment", "service", "configmap", "poddisruptionbudget", "replicaset"]:
+        counts = {
+            n: len(kube.list(kind, namespace, f"servefleet.io/llmdeployment={n}")) for n in names
+        }
+        assert set(counts.values()) == {1}, f"{kind}: {counts}"
+    assert len(kube.list("pods", namespace, ENGINE)) == len(names)
+
+
+def test_drift_is_repaired(kube: Kube, operator: OperatorProcess, namespace: str) -> None:
+    kube.apply_text(llmd("drifty"), namespace)
+    wait_for("service", lambda: kube.get("service", "drifty-engine", namespace), timeout=60)
+    kube.kubectl("delete", "service", "drifty-engine", "-n", namespace)
+    kube.kubectl("scale", "deployment/drifty-engine", "-n", namespace, "--replicas=0")
+    wait_for("service back", lambda: kube.get("service", "drifty-engine", namespace), timeout=30)
+    wait_for(
+        "replicas back",
+        lambda: kube.get("deployment", "drifty-engine", namespace)["spec"]["replicas"] == 1,
+        timeout=30,
+    )
+
+
+def test_fifty_deployments_are_reconciled(
+    kube: Kube, operator: OperatorProcess, namespace: str
+) -> None:
+    names = [f"fleet-{i:02d}" for i in range(50)]
+    start = time.monotonic()
+    kube.apply_text("---\n".join(llmd(n) for n in names), namespace)
+
+    def all_reconciled() -> bool:
+        items = kube.list("llmd", namespace)
+        done = [
+            i
+            for i in items
+            if i.get("status", {}).get("observedGeneration") == 1 and i["status"].get("selector")
+        ]
+        return len(done) == 50 and len(kube.list("deployment", namespace)) == 50
+
+    wait_for("50 LLMDeployments reconciled", all_reconciled, timeout=300, interval=1.0)
+    elapsed = time.monotonic() - start
+    print(f"\n50 LLMDeployments reconciled (children applied, status written) in {elapsed:.1f}s")
+
+
+def test_operator_was_never_forbidden(operator: OperatorProcess) -> None:
+    operator.assert_alive()
+    logs = operator.logs()
+    assert "forbidden" not in logs.lower(), logs[-4000:]
+    assert "Traceback" not in logs, logs[-4000:]

@@ -1,0 +1,276 @@
+"""Assemble an engine from its config, warm it up, and serve it until drained.
+
+Cold start (process start to ready) is measured here and logged, because it is
+what the autoscaler pays for every replica it adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import torch
+import uvicorn
+
+from servefleet.engine.attention import PagedAttention
+from servefleet.engine.chat_template import ChatTemplate
+from servefleet.engine.config import EngineConfig, parse_memory
+from servefleet.engine.kernels import select_decode_kernel
+from servefleet.engine.kv_cache import KVCacheManager
+from servefleet.engine.loop import Engine
+from servefleet.engine.metrics import EngineMetrics
+from servefleet.engine.model.llama import allocate_kv_cache, kv_bytes_per_block
+from servefleet.engine.model.loader import LoadedModel, load_model
+from servefleet.engine.runner import ModelRunner
+from servefleet.engine.sampling_params import SamplingParams
+from servefleet.engine.scheduler import Scheduler, SchedulerConfig
+from servefleet.engine.sequence import Sequence
+from servefleet.engine.server import ServingState, build_app
+
+log = logging.getLogger("servefleet.engine")
+
+
+def process_uptime() -> float:
+    """Seconds since this process started (from /proc where available)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start)
+    except (OSError, ValueError, IndexError):
+        return time.process_time()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # Without native bf16 units a CPU runs bf16 matmuls slower than float32.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def kv_cache_bytes(setting: str, device: torch.device) -> int:
+    value = parse_memory(setting)
+    if value > 1:
+        return int(value)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _mem_available()
+    return int(free * value)
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+@dataclass
+class BuiltEngine:
+    engine: Engine
+    state: ServingState
+    loaded: LoadedModel
+    kv_cache: KVCacheManager
+
+
+def load_for(config: EngineConfig) -> LoadedModel:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    kernel_name, kernel = select_decode_kernel(device, prefer=config.decode_kernel)
+    t0 = time.monotonic()
+    loaded = load_model(
+        config.model,
+        dtype=dtype,
+        device=str(device),
+        attn_impl=PagedAttention(kernel),
+        max_positions=config.max_model_len,
+    )
+    log.info(
+        "model_loaded: model=%s dtype=%s device=%s decode_kernel=%s load_s=%.2f",
+        loaded.name,
+        str(dtype).removeprefix("torch."),
+        device,
+        kernel_name,
+        time.monotonic() - t0,
+    )
+    return loaded
+
+
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> BuiltEngine:
+    """Everything but the HTTP server; `loaded` lets tests share one model between engines."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    loaded = loaded or load_for(config)
+    device = next(loaded.model.parameters()).device
+    dtype = next(loaded.model.parameters()).dtype
+    max_model_len = min(
+        config.max_model_len or loaded.config.max_position_embeddings,
+        loaded.config.max_position_embeddings,
+    )
+    per_block = kv_bytes_per_block(loaded.config, config.block_size, dtype)
+    budget = kv_cache_bytes(config.kv_cache_memory, device)
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"--kv-cache-memory {config.kv_cache_memory} gives {budget} bytes, less than two "
+            f"blocks of {per_block} bytes"
+        )
+    kv_caches = allocate_kv_cache(loaded.config, num_blocks, config.block_size, dtype, device)
+    log.info(
+        "kv_cache: blocks=%d tokens=%d bytes=%d block_size=%d max_model_len=%d prefix_caching=%s",
+        num_blocks,
+        num_blocks * config.block_size,
+        num_blocks * per_block,
+        config.block_size,
+        max_model_len,
+        config.enable_prefix_caching,
+    )
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        kv,
+        loaded.tokenizer.eos_token_ids,
+    )
+    runner = ModelRunner(loaded.model, kv_caches, config.block_size, device)
+    metrics = EngineMetrics(config.name)
+    engine = Engine(
+        scheduler, runner, loaded.tokenizer, metrics, stall_timeout=config.stall_timeout
+    )
+    state = ServingState(
+        engine=engine,
+        tokenizer=loaded.tokenizer,
+        chat_template=ChatTemplate(loaded.chat_template, loaded.tokenizer.special_tokens_map()),
+        served_model_name=config.name,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        num_kv_blocks=num_blocks,
+        max_queue_depth=config.max_queue_depth,
+    )
+    return BuiltEngine(engine, state, loaded, kv)
+
+
+def warm_up(built: BuiltEngine) -> None:
+    """Run prefill and batched decode once so the first real request pays no first-call costs."""
+    scheduler, runner = built.engine.scheduler, built.engine.runner
+    vocab = built.loaded.config.vocab_size
+    for batch in (1, 4):
+        for i in range(batch):
+            prompt = [(7 + 13 * (i + j)) % vocab for j in range(24 + i)]
+            scheduler.add(Sequence(prompt, SamplingParams(max_tokens=3, ignore_eos=True), 0.0))
+        while scheduler.num_unfinished:
+            out = scheduler.schedule()
+            scheduler.update(out, runner.execute(out).token_by_seq_id())
+    built.kv_cache.pool.reset_prefix_cache()
+    built.kv_cache.check_all_free()
+    built.kv_cache.prefix_queries = built.kv_cache.prefix_hits = 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains on SIGTERM/SIGINT: stop admitting, finish in-flight, exit 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServingState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.serving = state
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.serving.draining or self._loop is None:
+            self.should_exit = True
+            if sig == signal.SIGINT and self.serving.draining:
+                self.force_exit = True
+            return
+        self.serving.draining = True
+        self.serving.engine.metrics.draining.set(1)
+        log.info(
+            "draining: signal=%s in_flight=%d timeout_s=%.0f",
+            signal.Signals(sig).name,
+            self.serving.engine.num_in_flight,
+            self.drain_timeout,
+        )
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        engine = self.serving.engine
+        while engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            log.warning(
+                "drain timeout: %d requests still in flight, stopping", engine.num_in_flight
+            )
+        else:
+            log.info("drained: all in-flight requests finished")
+        self.should_exit = True
+
+
+def serve(config: EngineConfig) -> int:
+    built = build_engine(config)
+    t0 = time.monotonic()
+    warm_up(built)
+    warm_s = time.monotonic() - t0
+    built.engine.start()
+    app = build_app(built.state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
+        lifespan="off",
+    )
+    server = DrainingServer(uv_config, built.state, config.drain_timeout)
+
+    async def mark_ready() -> None:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        built.state.ready = True
+        cold = process_uptime()
+        built.engine.metrics.cold_start.set(cold)
+        log.info(
+            "ready: url=http://%s:%d model=%s cold_start_s=%.2f warmup_s=%.2f",
+            config.host,
+            config.port,
+            config.name,
+            cold,
+            warm_s,
+        )
+
+    async def main() -> None:
+        ready_task = asyncio.ensure_future(mark_ready())
+        try:
+            await server.serve()
+        finally:
+            ready_task.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        built.engine.stop()
+    return 0

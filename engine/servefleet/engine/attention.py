@@ -1,0 +1,144 @@
+"""Paged attention over a block-structured KV cache.
+
+One step of the engine is a flat batch of tokens: first one token per decoding
+sequence, then the prompt chunks being prefilled. Decode tokens go through one
+batched kernel (the gather-free CPU kernel or Triton on GPU when available,
+plain PyTorch otherwise); each prefill chunk runs SDPA over its sequence's
+cached context, which is what lets chunked prefill and prefix-cache hits share
+one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+DecodeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
+@dataclass
+class PrefillSpan:
+    """One prompt chunk inside the flat token batch."""
+
+    start: int  # first token of the chunk in the flat batch
+    end: int  # one past its last token
+    num_cached: int  # tokens of this sequence already in the KV cache before the chunk
+    block_table: torch.Tensor  # int64 [num_blocks] covering num_cached + (end - start) tokens
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step, built once and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset for every token
+    block_size: int
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # int32 [D, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # int32 [D], the current token included
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def torch_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference decode attention: gathers each sequence's blocks, then SDPA.
+
+    q: [D, H, hd]; caches: [num_blocks, block_size, kvh, hd]; returns [D, H, hd].
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    tables = block_tables.long()
+    max_len = tables.shape[1] * block_size
+    k = k_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(max_len, device=q.device)
+    visible = positions[None, :] < context_lens.to(q.device)[:, None].long()
+    group = num_heads // num_kv_heads
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(
+        qg.to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale
+    )
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one chunk over its sequence's cached prefix plus itself."""
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    context = span.num_cached + num_tokens
+    k = k_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1)
+    v = v_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1)
+    qh = q.transpose(0, 1).to(k.dtype)
+    gqa = num_heads != num_kv_heads
+    if span.num_cached == 0:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        query_pos = span.num_cached + torch.arange(num_tokens, device=q.device)
+        key_pos = torch.arange(context, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+class PagedAttention:
+    """Writes the step's keys/values into the cache, then attends."""
+
+    def __init__(self, decode_kernel: DecodeKernel | None = None) -> None:
+        self.decode_kernel: DecodeKernel = decode_kernel or torch_paged_decode
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, hd], k/v: [T, kvh, hd]; caches [num_blocks, block_size, kvh, hd]."""
+        kvh, hd = k.shape[1], k.shape[2]
+        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if not meta.prefills:
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            return self.decode_kernel(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+            )
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            out[: meta.num_decodes] = self.decode_kernel(
+                q[: meta.num_decodes].contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+            )
+        for span in meta.prefills:
+            out[span.start : span.end] = prefill_attention(
+                q[span.start : span.end], k_cache, v_cache, span, scale
+            )
+        return out

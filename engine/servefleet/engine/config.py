@@ -1,0 +1,65 @@
+"""Engine settings: one pydantic model behind the CLI flags and the operator's args."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_memory(value: str | float | int) -> float:
+    """Bytes (`2GiB`, `500MB`, `1073741824`) or a fraction of free memory (`0 < x <= 1`)."""
+    if isinstance(value, int | float):
+        number = float(value)
+    else:
+        match = _SIZE.match(value)
+        if not match:
+            raise ValueError(f"cannot read {value!r} as bytes (e.g. 2GiB, 512MB) or a fraction")
+        number = float(match.group(1))
+        unit = (match.group(2) or "").lower()
+        if unit:
+            base = unit[0] if unit[0] != "b" else ""
+            factor = 1024 ** "kmgt".index(base) * 1024 if "i" in unit else _UNITS[base]
+            return number * factor
+    if number <= 0:
+        raise ValueError("KV-cache memory must be positive")
+    return number
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="GGUF file, Hugging Face folder, or built-in model name.")
+    served_model_name: str | None = Field(default=None, description="Name clients ask for.")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str = "auto"
+    block_size: int = Field(default=16, ge=1, le=256)
+    kv_cache_memory: str = Field(
+        default="1GiB", description="Bytes for the KV cache, or a fraction of free memory."
+    )
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+    max_queue_depth: int = Field(default=256, ge=0)
+    max_model_len: int | None = Field(default=None, ge=16)
+    enable_prefix_caching: bool = True
+    drain_timeout: float = Field(default=30.0, ge=0)
+    stall_timeout: float = Field(default=120.0, gt=0)
+    decode_kernel: Literal["auto", "torch", "cpu-c", "triton"] = "auto"
+    threads: int | None = Field(default=None, ge=1)
+    log_level: str = "info"
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory(cls, value: str) -> str:
+        parse_memory(value)
+        return value
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model

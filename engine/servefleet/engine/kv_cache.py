@@ -1,0 +1,104 @@
+"""Per-sequence block allocation on top of the block pool.
+
+A full block is named by a hash chained over its parent's hash and its token
+ids, so equal hashes mean equal prefixes; a new sequence takes every cached
+block of its longest cached prefix and only computes the rest.
+"""
+
+from __future__ import annotations
+
+from servefleet.engine.block_pool import BlockPool, KVBlock
+from servefleet.engine.sequence import Sequence
+
+ROOT_HASH = 0x5EF1EE7
+
+
+def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
+        """Extend seq.block_hashes over every full block within the first upto_tokens."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= upto_tokens:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """Longest run of cached full blocks; always leaves >= 1 token to compute."""
+        if not self.enable_caching or seq.num_computed_tokens:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._update_hashes(seq, max_blocks * self.block_size)
+        hits: list[KVBlock] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> bool:
+        """Reserve blocks so the next num_new_tokens can be computed; False if they don't fit.
+
+        `cached` are prefix hits from find_cached_prefix (only on a sequence's first schedule).
+        """
+        total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached)
+        # Cached blocks sitting in the free queue stop being free once we touch them.
+        evictable_hits = sum(1 for b in cached if b.ref_count == 0)
+        if num_new_blocks > self.pool.num_free_blocks - evictable_hits:
+            return False
+        if cached:
+            self.pool.touch(cached)
+            seq.block_table.extend(b.block_id for b in cached)
+            seq.num_computed_tokens += len(cached) * self.block_size
+            seq.num_cached_tokens = len(cached) * self.block_size
+        if num_new_blocks > 0:
+            seq.block_table.extend(b.block_id for b in self.pool.allocate(num_new_blocks))
+        if self.enable_caching:
+            self._cache_full_blocks(seq, total)
+        return True
+
+    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def _cache_full_blocks(self, seq: Sequence, upto_tokens: int) -> None:
+        # Token ids of every position below upto_tokens are known at schedule time, so
+        # blocks that this step fills can be published now; attention writes all KV of a
+        # step before reading, so a hit within the same step still sees valid data.
+        self._update_hashes(seq, upto_tokens)
+        full = min(len(seq.block_hashes), len(seq.block_table))
+        for i in range(seq.num_published_blocks, full):
+            self.pool.cache_block(self.pool.blocks[seq.block_table[i]], seq.block_hashes[i])
+        seq.num_published_blocks = max(seq.num_published_blocks, full)
+
+    def free(self, seq: Sequence) -> None:
+        blocks = [self.pool.blocks[i] for i in reversed(seq.block_table)]
+        self.pool.free(blocks)
+        seq.block_table = []
+        seq.num_published_blocks = 0
+
+    def check_all_free(self) -> None:
+        self.pool.check_all_free()

@@ -1,0 +1,315 @@
+"""The engine thread: take requests, `schedule → run → update`, stream results back.
+
+The HTTP server never waits on the model: requests and aborts reach this thread
+through a queue, and each step's outputs go back to the asyncio loop in one
+thread-safe callback. The thread also keeps the heartbeat `/health` reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from servefleet.engine.metrics import EngineMetrics
+from servefleet.engine.output_processor import OutputProcessor
+from servefleet.engine.runner import ModelRunner
+from servefleet.engine.sampler import TokenLogprobs
+from servefleet.engine.sampling_params import SamplingParams
+from servefleet.engine.scheduler import Scheduler
+from servefleet.engine.sequence import FinishReason, Sequence
+from servefleet.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("servefleet.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; in-flight requests cannot complete."""
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    n: int = 1
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class SequenceOutput:
+    """What one step produced for one choice of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class _RequestSink:
+    """Where a request's outputs land on the asyncio side."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[list[SequenceOutput] | BaseException] = asyncio.Queue()
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    index: int
+    sink: _RequestSink
+    processor: OutputProcessor
+    last_token_time: float | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        metrics: EngineMetrics,
+        stall_timeout: float = 120.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.stall_timeout = stall_timeout
+        # New requests arrive as (request, sink); aborts as the request id.
+        self._inbox: queue.SimpleQueue[tuple[EngineRequest, _RequestSink] | str] = (
+            queue.SimpleQueue()
+        )
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tracked: dict[int, _Tracked] = {}  # seq_id -> state, engine thread only
+        self._by_request: dict[str, list[Sequence]] = {}  # engine thread only
+        self.heartbeat = time.monotonic()
+        self.in_step_since: float | None = None
+        self.fatal_error: BaseException | None = None
+        self.num_in_flight = 0  # requests submitted and not yet finished (asyncio side)
+        metrics.num_requests_waiting.set_function(lambda: len(self.scheduler.waiting))
+        metrics.num_requests_running.set_function(lambda: len(self.scheduler.running))
+        metrics.kv_cache_usage.set_function(lambda: self.scheduler.kv_cache.usage)
+        metrics.kv_blocks_total.set_function(lambda: self.scheduler.kv_cache.num_blocks)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_healthy(self) -> tuple[bool, str]:
+        if self.fatal_error is not None:
+            return False, f"engine loop died: {self.fatal_error!r}"
+        if self._thread is None or not self._thread.is_alive():
+            return False, "engine loop is not running"
+        now = time.monotonic()
+        if self.in_step_since is not None and now - self.in_step_since > self.stall_timeout:
+            return False, f"engine step stalled for {now - self.in_step_since:.0f}s"
+        if now - self.heartbeat > self.stall_timeout:
+            return False, f"no engine heartbeat for {now - self.heartbeat:.0f}s"
+        return True, "ok"
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- asyncio side -----------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[SequenceOutput]]:
+        """Yield each step's outputs for this request until all its choices finish."""
+        if self.fatal_error is not None:
+            raise EngineDeadError(str(self.fatal_error))
+        sink = _RequestSink(asyncio.get_running_loop())
+        self.num_in_flight += 1
+        self._inbox.put((request, sink))
+        self._wakeup.set()
+        remaining = request.n
+        try:
+            while remaining:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= sum(1 for o in item if o.finished)
+                yield item
+        finally:
+            self.num_in_flight -= 1
+            if remaining:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(request_id)
+        self._wakeup.set()
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
+                self._drain_inbox()
+                if not self.scheduler.num_unfinished:
+                    self._wakeup.wait(1.0)
+                    self._wakeup.clear()
+                    continue
+                self._step()
+        except BaseException as exc:  # the loop is dead: fail everything, /health tells
+            log.exception("engine loop died")
+            self.fatal_error = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                self._add(*item)
+            else:
+                for seq in self._by_request.pop(item, []):
+                    if not seq.is_finished:
+                        self.scheduler.abort(seq)
+                        self._record_finish(seq)
+                    self._tracked.pop(seq.seq_id, None)
+
+    def _add(self, request: EngineRequest, sink: _RequestSink) -> None:
+        seqs = []
+        for index in range(request.n):
+            params = request.params
+            if params.seed is not None and index:
+                params = _with_seed(params, params.seed + index)
+            seq = Sequence(
+                prompt_token_ids=list(request.prompt_token_ids),
+                params=params,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                request_id=request.request_id,
+            )
+            self._tracked[seq.seq_id] = _Tracked(
+                seq, index, sink, OutputProcessor(self.tokenizer, seq)
+            )
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self._by_request[request.request_id] = seqs
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        self.in_step_since = started
+        out = self.scheduler.schedule()
+        if out.preempted:
+            self.metrics.preemptions.inc(len(out.preempted))
+        if out.is_empty:
+            self.in_step_since = None
+            time.sleep(0.001)
+            return
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = started
+                self.metrics.queue_time.observe(started - seq.arrival_time)
+                m = self.metrics
+                m.prompt_tokens.inc(seq.num_prompt_tokens)
+                m.prefix_queries.inc(seq.num_prompt_tokens)
+                m.prefix_hits.inc(seq.num_cached_tokens)
+        result = self.runner.execute(out)
+        finished = self.scheduler.update(out, result.token_by_seq_id())
+        now = time.monotonic()
+        self.in_step_since = None
+        self.metrics.step_seconds.observe(now - started)
+        self.metrics.step_tokens.observe(out.num_batched_tokens)
+        self._deliver(result.sampled_seqs, result.samples.logprobs, set(map(id, finished)), now)
+
+    def _deliver(
+        self,
+        seqs: list[Sequence],
+        logprobs: list[TokenLogprobs | None],
+        finished_ids: set[int],
+        now: float,
+    ) -> None:
+        batches: dict[_RequestSink, list[SequenceOutput]] = {}
+        m = self.metrics
+        for seq, lp in zip(seqs, logprobs, strict=True):
+            tracked = self._tracked.get(seq.seq_id)
+            if tracked is None:
+                continue
+            token = seq.output_token_ids[-1]
+            text, hit_stop = tracked.processor.add_token(token)
+            if hit_stop and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            if tracked.last_token_time is None:
+                m.ttft.observe(now - seq.arrival_time)
+            else:
+                m.itl.observe(now - tracked.last_token_time)
+            tracked.last_token_time = now
+            m.generation_tokens.inc()
+            done = seq.is_finished
+            if done:
+                text += tracked.processor.finish()
+                self._record_finish(seq)
+                m.e2e.observe(now - seq.arrival_time)
+                self._tracked.pop(seq.seq_id, None)
+                siblings = self._by_request.get(seq.request_id, [])
+                if all(s.is_finished for s in siblings):
+                    self._by_request.pop(seq.request_id, None)
+            out = SequenceOutput(
+                index=tracked.index,
+                text=text,
+                token_ids=[token],
+                logprobs=[lp] if lp is not None else [],
+                finished=done,
+                finish_reason=seq.finish_reason.value if done and seq.finish_reason else None,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+            )
+            batches.setdefault(tracked.sink, []).append(out)
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[_RequestSink, list[SequenceOutput]]]
+        ] = {}
+        for sink, outs in batches.items():
+            by_loop.setdefault(sink.loop, []).append((sink, outs))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_dispatch, items)
+
+    def _record_finish(self, seq: Sequence) -> None:
+        self.metrics.finished(seq.finish_reason.value if seq.finish_reason else "unknown")
+
+    def _fail_all(self, error: BaseException) -> None:
+        sinks = {t.sink for t in self._tracked.values()}
+        for tracked in list(self._tracked.values()):
+            if not tracked.seq.is_finished:
+                self.scheduler.abort(tracked.seq)
+        self._tracked.clear()
+        self._by_request.clear()
+        for sink in sinks:
+            if not sink.loop.is_closed():
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, error)
+
+
+def _dispatch(items: list[tuple[_RequestSink, list[SequenceOutput]]]) -> None:
+    for sink, outs in items:
+        sink.queue.put_nowait(outs)
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

@@ -1,0 +1,82 @@
+"""Prometheus metrics, under vLLM's names where routers and autoscalers read them.
+
+Each engine owns its registry (no process-global state), so several engines can
+live in one test process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        # Series are labelled once here; callers use the children directly.
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name=model_name)
+
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
+        ) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(
+                model_name=model_name
+            )
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name=model_name)
+
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to run.")
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests running.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first step.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("vllm:num_preemptions", "Sequences preempted.")
+        self.step_seconds = histogram("servefleet_engine_step_seconds", "Wall time of a step.")
+        self.step_tokens = histogram(
+            "servefleet_engine_step_tokens",
+            "Tokens in one engine step.",
+            (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+        )
+        self.requests_finished = Counter(
+            "servefleet_engine_requests_finished",
+            "Finished requests by reason.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.requests_rejected = Counter(
+            "servefleet_engine_requests_rejected",
+            "Requests refused before running, by HTTP status.",
+            [*labels, "status"],
+            registry=r,
+        )
+        self.kv_blocks_total = gauge("servefleet_engine_kv_cache_blocks", "KV-cache blocks.")
+        self.cold_start = gauge(
+            "servefleet_engine_cold_start_seconds", "Process start to ready, in seconds."
+        )
+        self.draining = gauge("servefleet_engine_draining", "1 while draining after SIGTERM.")
+
+    def finished(self, reason: str) -> None:
+        self.requests_finished.labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def rejected(self, status: int) -> None:
+        self.requests_rejected.labels(model_name=self.model_name, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,116 @@
+"""Convert-once cache for GGUF checkpoints.
+
+Reading GGUF metadata and dequantizing every tensor costs seconds on a small CPU; the
+float32 result, the rebuilt tokenizer and the config are stored as plain files (safetensors,
+`tokenizer.json`, JSON) so the next start only memory-maps them. Entries are keyed by the
+source file's identity (resolved path, size, mtime, a content sample) and the converter
+version, and are published with an atomic rename, so concurrent starts never see half an
+entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+from safetensors.torch import load_file, save_file
+
+from servefleet.engine.model.config import ModelConfig
+from servefleet.engine.tokenizer import Tokenizer
+
+# Bump whenever the conversion's output changes (names, un-permutation, tokenizer build).
+CONVERTER_VERSION = 1
+CACHE_DIR_ENV = "SERVEFLEET_CACHE_DIR"
+_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass
+class Checkpoint:
+    """A model's fused state dict (`fuse_hf_weights`) with everything needed to serve it."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    chat_template: str | None
+    name: str
+
+
+class CacheEntryMeta(BaseModel):
+    converter_version: int
+    source: str
+    name: str
+    chat_template: str | None
+
+
+def default_cache_root() -> Path:
+    configured = os.environ.get(CACHE_DIR_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "servefleet"
+
+
+def source_key(path: Path) -> str:
+    """Identity of a source file: cheap to compute, changes when the file does."""
+    resolved = path.resolve()
+    stat = resolved.stat()
+    digest = hashlib.sha256()
+    digest.update(f"v{CONVERTER_VERSION}|{resolved}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
+    with resolved.open("rb") as handle:
+        digest.update(handle.read(_SAMPLE_BYTES))
+        if stat.st_size > 2 * _SAMPLE_BYTES:
+            handle.seek(-_SAMPLE_BYTES, os.SEEK_END)
+            digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def entry_dir(cache_root: Path, source: Path) -> Path:
+    return cache_root / "converted" / source_key(source)
+
+
+def read_entry(directory: Path) -> Checkpoint | None:
+    """The cached checkpoint, or None when absent or written by another converter version."""
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        return None
+    meta = CacheEntryMeta.model_validate_json(meta_path.read_text(encoding="utf-8"))
+    if meta.converter_version != CONVERTER_VERSION:
+        return None
+    config = ModelConfig.model_validate_json((directory / "config.json").read_text("utf-8"))
+    return Checkpoint(
+        config=config,
+        weights=load_file(str(directory / "weights.safetensors")),
+        tokenizer=Tokenizer.load(directory),
+        chat_template=meta.chat_template,
+        name=meta.name,
+    )
+
+
+def write_entry(directory: Path, source: Path, checkpoint: Checkpoint) -> None:
+    """Write into a temporary sibling, then rename into place (first writer wins)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        weights = {k: v.contiguous() for k, v in checkpoint.weights.items()}
+        save_file(weights, str(staging / "weights.safetensors"))
+        (staging / "config.json").write_text(checkpoint.config.model_dump_json(), "utf-8")
+        checkpoint.tokenizer.save(staging)
+        meta = CacheEntryMeta(
+            converter_version=CONVERTER_VERSION,
+            source=str(source),
+            name=checkpoint.name,
+            chat_template=checkpoint.chat_template,
+        )
+        # meta.json last: its presence marks a complete entry.
+        (staging / "meta.json").write_text(meta.model_dump_json(), "utf-8")
+        try:
+            os.rename(staging, directory)
+        except OSError:
+            if not (directory / "meta.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

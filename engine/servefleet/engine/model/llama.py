@@ -1,0 +1,234 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) over a flat token batch.
+
+Shaped for few ops per layer: q/k/v are one matmul, gate/up are one matmul, q and k get
+rotated together in one pass, and the cos/sin rows are gathered once per step for every
+layer. Weights arrive in Hugging Face naming (`model.layers.N.self_attn.q_proj.weight`)
+from every loader and are fused here, so the loaders never know the module's layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servefleet.engine.attention import AttentionMetadata, PagedAttention
+from servefleet.engine.model.config import ModelConfig
+from servefleet.engine.model.rope import rope_table
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class MissingWeightError(KeyError):
+    """A checkpoint lacks a tensor the model needs."""
+
+
+def _weight(*shape: int, factory: dict[str, Any], fill: float | None = None) -> nn.Parameter:
+    tensor = torch.empty(*shape, **factory) if fill is None else torch.full(shape, fill, **factory)
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, attn_impl: PagedAttention, factory: dict[str, Any]
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        self.attn_impl = attn_impl
+        hidden = config.hidden_size
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.input_norm = _weight(hidden, factory=factory, fill=1.0)
+        self.qkv_weight = _weight(qkv_out, hidden, factory=factory)
+        self.qkv_bias = (
+            _weight(qkv_out, factory=factory, fill=0.0) if config.attention_bias else None
+        )
+        self.o_weight = _weight(hidden, config.num_heads * config.head_dim, factory=factory)
+        self.post_attn_norm = _weight(hidden, factory=factory, fill=1.0)
+        self.gate_up_weight = _weight(2 * config.intermediate_size, hidden, factory=factory)
+        self.down_weight = _weight(hidden, config.intermediate_size, factory=factory)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.rms_norm(hidden, self.input_norm.shape, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qk = qkv[:, : (heads + kv_heads) * hd].view(num_tokens, heads + kv_heads, hd)
+        v = qkv[:, (heads + kv_heads) * hd :].view(num_tokens, kv_heads, hd)
+        half = hd // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = torch.addcmul(qk * cos, rotated, sin)
+        attn = self.attn_impl(
+            qk[:, :heads], qk[:, heads:], v, kv_cache[0], kv_cache[1], meta, self.scale
+        )
+        hidden = hidden + F.linear(attn.reshape(num_tokens, heads * hd), self.o_weight)
+        x = F.rms_norm(hidden, self.post_attn_norm.shape, self.post_attn_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() returns final-normed hidden states; compute_logits() projects selected rows."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_impl: PagedAttention | None = None,
+        max_positions: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.config = config
+        self.attn_impl = attn_impl or PagedAttention()
+        self.max_positions = max_positions or config.max_position_embeddings
+        vocab, hidden = config.vocab_size, config.hidden_size
+        self.embed_tokens = _weight(vocab, hidden, factory=factory)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.attn_impl, factory) for _ in range(config.num_layers)
+        )
+        self.norm = _weight(hidden, factory=factory, fill=1.0)
+        self.lm_head = (
+            None if config.tie_word_embeddings else _weight(vocab, hidden, factory=factory)
+        )
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def _build_rope(self) -> None:
+        cos, sin = rope_table(
+            self.config, self.max_positions, self.embed_tokens.dtype, self.embed_tokens.device
+        )
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def set_attention(self, attn_impl: PagedAttention) -> None:
+        """Swap the attention implementation (e.g. for one with a Triton decode kernel)."""
+        self.attn_impl = attn_impl
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.attn_impl = attn_impl
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions: [T]; returns final-normed hidden states [T, hidden]."""
+        if self.rope_cos.shape[0] != self.max_positions or self.rope_cos.dtype != (
+            self.embed_tokens.dtype
+        ):
+            self._build_rope()
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return F.rms_norm(hidden, self.norm.shape, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(
+        self, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None
+    ) -> None:
+        """Adopt a fused state dict (see `fuse_hf_weights`), converting dtype/device as needed.
+
+        Tensors already in the right dtype and device are used as they are (no copy), so a
+        memory-mapped cache file backs the parameters directly.
+        """
+        dtype = self.norm.dtype
+        if device is None:
+            device = torch.device("cpu") if self.norm.is_meta else self.norm.device
+        converted = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        missing = set(self.state_dict()) - set(converted)
+        if missing:
+            raise MissingWeightError(f"weights lack tensors: {sorted(missing)[:5]}")
+        self.load_state_dict(converted, strict=True, assign=True)
+        self._build_rope()
+
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.load_weights(fuse_hf_weights(self.config, weights))
+
+
+def fuse_hf_weights(
+    config: ModelConfig, weights: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> this module's state dict (q/k/v and gate/up concatenated)."""
+
+    def take(name: str) -> torch.Tensor:
+        tensor = weights.get(name)
+        if tensor is None:
+            raise MissingWeightError(f"checkpoint lacks tensor {name!r}")
+        return tensor
+
+    state = {
+        "embed_tokens": take("model.embed_tokens.weight"),
+        "norm": take("model.norm.weight"),
+    }
+    if not config.tie_word_embeddings:
+        state["lm_head"] = take("lm_head.weight")
+    for index in range(config.num_layers):
+        hf = f"model.layers.{index}."
+        ours = f"layers.{index}."
+        state[ours + "input_norm"] = take(hf + "input_layernorm.weight")
+        state[ours + "post_attn_norm"] = take(hf + "post_attention_layernorm.weight")
+        state[ours + "qkv_weight"] = torch.cat(
+            [take(f"{hf}self_attn.{p}_proj.weight") for p in ("q", "k", "v")]
+        )
+        if config.attention_bias:
+            state[ours + "qkv_bias"] = torch.cat(
+                [take(f"{hf}self_attn.{p}_proj.bias") for p in ("q", "k", "v")]
+            )
+        state[ours + "o_weight"] = take(hf + "self_attn.o_proj.weight")
+        state[ours + "gate_up_weight"] = torch.cat(
+            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")]
+        )
+        state[ours + "down_weight"] = take(hf + "mlp.down_proj.weight")
+    return state
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[KVCache]:
+    """One allocation for the whole cache; per-layer (k, v) views of it, each contiguous."""
+    storage = torch.zeros(
+        config.num_layers,
+        2,
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    return [(storage[i, 0], storage[i, 1]) for i in range(config.num_layers)]

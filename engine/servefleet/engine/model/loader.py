@@ -1,0 +1,144 @@
+"""One entry point from a model source (GGUF file, HF folder, built-in name) to a ready model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from servefleet.engine.attention import PagedAttention
+from servefleet.engine.model.builtin import BUILTIN_MODELS, UnknownModelError, resolve_builtin
+from servefleet.engine.model.config import ModelConfig
+from servefleet.engine.model.conversion_cache import (
+    Checkpoint,
+    default_cache_root,
+    entry_dir,
+    read_entry,
+    write_entry,
+)
+from servefleet.engine.model.gguf_loader import config_from_gguf, open_gguf, read_gguf_weights
+from servefleet.engine.model.llama import LlamaForCausalLM, fuse_hf_weights
+from servefleet.engine.model.safetensors_loader import (
+    config_from_hf_folder,
+    read_safetensors_weights,
+)
+from servefleet.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the server needs to talk to it."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    chat_template: str | None
+    name: str
+
+
+def load_model(
+    source: str,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    *,
+    attn_impl: PagedAttention | None = None,
+    max_positions: int | None = None,
+    cache_root: Path | None = None,
+    use_cache: bool = True,
+) -> LoadedModel:
+    """Load `source`: a .gguf file, a Hugging Face folder, or a built-in model name."""
+    checkpoint = read_checkpoint(source, cache_root=cache_root, use_cache=use_cache)
+    # Built on the meta device: parameters are adopted from the checkpoint, never allocated twice.
+    model = LlamaForCausalLM(
+        checkpoint.config, attn_impl, max_positions=max_positions, dtype=dtype, device="meta"
+    )
+    model.load_weights(checkpoint.weights, device=device)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        config=checkpoint.config,
+        tokenizer=checkpoint.tokenizer,
+        chat_template=checkpoint.chat_template,
+        name=checkpoint.name,
+    )
+
+
+def read_checkpoint(
+    source: str, *, cache_root: Path | None = None, use_cache: bool = True
+) -> Checkpoint:
+    """Weights (HF names), config, tokenizer and template for `source`, without a model."""
+    path = Path(source).expanduser()
+    if source in BUILTIN_MODELS and not path.exists():
+        checkpoint = _read_gguf(resolve_builtin(source), cache_root, use_cache)
+        checkpoint.name = source
+        return checkpoint
+    if path.is_file():
+        with path.open("rb") as handle:
+            if handle.read(4) != _GGUF_MAGIC:
+                raise UnknownModelError(f"{path} is not a GGUF file")
+        return _read_gguf(path, cache_root, use_cache)
+    if path.is_dir():
+        return _read_hf_folder(path)
+    raise UnknownModelError(
+        f"unknown model {source!r}: not a file or folder, and not a built-in "
+        f"(built-ins: {', '.join(sorted(BUILTIN_MODELS))})"
+    )
+
+
+def _read_gguf(path: Path, cache_root: Path | None, use_cache: bool) -> Checkpoint:
+    directory = entry_dir(cache_root or default_cache_root(), path) if use_cache else None
+    if directory is not None:
+        cached = read_entry(directory)
+        if cached is not None:
+            return cached
+    reader = open_gguf(path)
+    config = config_from_gguf(reader)
+    template_field = reader.fields.get("tokenizer.chat_template")
+    checkpoint = Checkpoint(
+        config=config,
+        weights=fuse_hf_weights(config, read_gguf_weights(reader, config)),
+        tokenizer=Tokenizer.from_gguf_fields(reader.fields),
+        chat_template=None if template_field is None else str(template_field.contents()),
+        name=path.stem,
+    )
+    if directory is not None:
+        try:
+            write_entry(directory, path, checkpoint)
+        except OSError as exc:  # the cache only saves time; serving goes on without it
+            logger.warning("could not cache converted %s in %s: %s", path, directory, exc)
+    return checkpoint
+
+
+def _read_hf_folder(folder: Path) -> Checkpoint:
+    config = config_from_hf_folder(folder)
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    return Checkpoint(
+        config=config,
+        weights=fuse_hf_weights(config, read_safetensors_weights(folder)),
+        tokenizer=tokenizer,
+        chat_template=hf_chat_template(folder),
+        name=folder.name,
+    )
+
+
+def hf_chat_template(folder: Path) -> str | None:
+    """The template from `chat_template.jinja` or `tokenizer_config.json` (default entry)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    from servefleet.engine.model.safetensors_loader import read_json
+
+    template = read_json(config_path).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

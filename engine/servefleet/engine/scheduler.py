@@ -1,0 +1,176 @@
+"""Iteration-level scheduling: what runs in the next model step.
+
+`schedule()` packs the decodes of running sequences and chunks of waiting
+prompts under the token and sequence budgets; `update()` applies the step's
+sampled tokens. No tensors here: the runner turns a `SchedulerOutput` into them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from servefleet.engine.kv_cache import KVCacheManager
+from servefleet.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int
+    num_computed_before: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so it yields a token."""
+        return self.num_computed_before + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt chunks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_new_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, eos_token_ids: Iterable[int]
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def abort(self, seq: Sequence) -> None:
+        self.finish(seq, FinishReason.ABORT)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv_cache.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, go back to waiting."""
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledChunk] = []
+
+        # Running sequences first, best priority first, so preemption takes the tail:
+        # the lowest-priority, latest-arrived sequence.
+        self.running.sort(key=Sequence.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            before = seq.num_computed_tokens
+            while not self.kv_cache.allocate(seq, num_new, []):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledChunk(seq, num_new, before))
+                budget -= num_new
+                i += 1
+
+        # Then waiting prompts, unless this step already had to preempt.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            cached = self.kv_cache.find_cached_prefix(seq)
+            hit_tokens = len(cached) * self.kv_cache.block_size
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - hit_tokens, budget)
+            if not self.kv_cache.allocate(seq, num_new, cached):
+                break
+            self.kv_cache.record_lookup(seq, hit_tokens)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+
+        for chunk in scheduled:
+            (out.decodes if chunk.num_new_tokens == 1 else out.prefills).append(chunk)
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance computed counters, append sampled tokens (by seq_id); return newly finished."""
+        finished = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = chunk.num_computed_before + chunk.num_new_tokens
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.append_token(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,34 @@
+"""API key -> tenant. Only SHA-256 digests of keys are held; a key is never logged."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+
+
+class KeyRing:
+    def __init__(self, digests: Mapping[str, str]) -> None:
+        """`digests` maps a key's SHA-256 (hex) to its tenant's name."""
+        self._by_digest = {bytes.fromhex(d): tenant for d, tenant in digests.items()}
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def tenant_for(self, authorization: str | None) -> str | None:
+        """The tenant of an `Authorization: Bearer <key>` header, or None."""
+        if not authorization:
+            return None
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return None
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        # A dict lookup on a digest leaks nothing useful about the key itself.
+        return self._by_digest.get(digest)
+
+
+def bearer_matches(authorization: str | None, expected: str) -> bool:
+    if not authorization:
+        return False
+    scheme, _, key = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip(), expected)

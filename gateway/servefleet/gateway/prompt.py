@@ -1,0 +1,83 @@
+"""What the gateway reads from a request body: a token estimate and a prefix-affinity key.
+
+The gateway does not run the model's tokenizer on the hot path. Prompt tokens are estimated
+from characters (`chars_per_token`) for the reservation, and settled with the engine's exact
+usage when the response ends, so a wrong estimate only moves tokens between reservation and
+refund. The affinity key hashes the first `blocks` KV blocks' worth of prompt text (rounded
+down to whole blocks, so two prompts that share a system prompt share a key even when their
+tails differ).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Role markers and per-message framing the chat template adds (a rough, cheap constant).
+PER_MESSAGE_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PromptShape:
+    estimated_tokens: int
+    affinity_key: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptReader:
+    chars_per_token: float = 4.0
+    block_size: int = 16
+    affinity_blocks: int = 4
+
+    @property
+    def block_chars(self) -> int:
+        return max(1, int(self.block_size * self.chars_per_token))
+
+    def chat(self, messages: list[dict[str, Any]]) -> PromptShape:
+        parts: list[str] = []
+        for message in messages:
+            parts.append(str(message.get("role", "")))
+            parts.append(_content_text(message.get("content")))
+        text = "\x1f".join(parts)
+        tokens = math.ceil(len(text) / self.chars_per_token) + PER_MESSAGE_TOKENS * len(messages)
+        return PromptShape(tokens, self._key(text))
+
+    def completion(self, prompt: Any) -> PromptShape:
+        if isinstance(prompt, str):
+            return PromptShape(math.ceil(len(prompt) / self.chars_per_token), self._key(prompt))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            # Token ids: exact count, key over the first blocks of ids.
+            n = self.block_size * self.affinity_blocks
+            whole = (min(len(prompt), n) // self.block_size) * self.block_size
+            key = _digest(",".join(map(str, prompt[:whole]))) if whole and n else None
+            return PromptShape(len(prompt), key)
+        if isinstance(prompt, list):
+            shapes = [self.completion(p) for p in prompt]
+            first = shapes[0].affinity_key if shapes else None
+            return PromptShape(sum(s.estimated_tokens for s in shapes), first)
+        return PromptShape(0, None)
+
+    def _key(self, text: str) -> int | None:
+        if self.affinity_blocks == 0:
+            return None
+        block = self.block_chars
+        whole = min(len(text) // block, self.affinity_blocks)
+        if whole == 0:
+            return None
+        return _digest(text[: whole * block])
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

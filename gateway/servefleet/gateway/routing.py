@@ -1,0 +1,188 @@
+"""Pick a replica: least outstanding work, with prefix affinity, health and a concurrency cap.
+
+Affinity uses rendezvous hashing of the prompt's prefix key over the routable replicas: no
+table to keep, stable when replicas come and go (only the keys of a removed replica move), and
+every gateway replica makes the same choice, so a prefix stays warm in one engine's cache. The
+affine replica loses to the least-loaded one only when it is clearly busier (more than `slack`
+requests ahead of it) or full.
+
+A replica that fails or times out is ejected for a back-off that doubles on each consecutive
+failure; after it, one trial request is let through (half-open). A replica that answers 503 is
+draining: it gets no new requests until its readiness probe says otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+class ReplicaState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    EJECTED = "ejected"
+
+
+def stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _mix(key: int, seed: int) -> int:
+    # splitmix64 finaliser: cheap, and well spread for rendezvous scores.
+    z = (key ^ seed) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    endpoint: str  # base URL, e.g. http://10.0.0.5:8000
+    cap: int
+    state: ReplicaState = ReplicaState.STARTING
+    seed: int = 0
+    outstanding: int = 0
+    outstanding_tokens: int = 0
+    failures: int = 0
+    ejected_until: float = 0.0
+    first_seen: float = 0.0
+    ready_at: float | None = None
+    served: int = 0
+
+    def routable(self, now: float) -> bool:
+        if self.state is ReplicaState.READY:
+            return True
+        # Half-open after the back-off: one trial request at a time.
+        return (
+            self.state is ReplicaState.EJECTED
+            and now >= self.ejected_until
+            and self.outstanding == 0
+        )
+
+    def has_room(self) -> bool:
+        return self.outstanding < self.cap
+
+
+@dataclass(slots=True)
+class ReplicaSet:
+    """The replicas of one deployment and their load, as the gateway sees them."""
+
+    cap: int
+    eject_base_s: float = 1.0
+    eject_max_s: float = 30.0
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    def set_endpoints(
+        self, endpoints: Iterable[str], now: float, *, ready: Iterable[str] | None = None
+    ) -> None:
+        """Replace the replica list, keeping the state and load of replicas that stay.
+
+        `ready` (when given) names the endpoints known to be ready (EndpointSlices say so);
+        otherwise new replicas start as STARTING until their readiness probe passes.
+        """
+        wanted = [e.rstrip("/") for e in endpoints]
+        ready_set = None if ready is None else {e.rstrip("/") for e in ready}
+        for endpoint in list(self.replicas):
+            if endpoint not in wanted:
+                del self.replicas[endpoint]
+        for endpoint in wanted:
+            replica = self.replicas.get(endpoint)
+            if replica is None:
+                replica = self.replicas[endpoint] = Replica(
+                    endpoint, self.cap, seed=stable_hash(endpoint), first_seen=now
+                )
+            if ready_set is not None:
+                self.mark_probe(replica, endpoint in ready_set, now)
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def ready_count(self, now: float) -> int:
+        return sum(1 for r in self.replicas.values() if r.routable(now))
+
+    def free_slots(self, now: float) -> int:
+        return sum(
+            r.cap - r.outstanding
+            for r in self.replicas.values()
+            if r.routable(now) and r.has_room()
+        )
+
+    def starting(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
+
+    def outstanding(self) -> int:
+        return sum(r.outstanding for r in self.replicas.values())
+
+    def pick(
+        self,
+        affinity_key: int | None,
+        now: float,
+        *,
+        slack: int,
+        exclude: Replica | None = None,
+    ) -> Replica | None:
+        least: Replica | None = None
+        affine: Replica | None = None
+        best_score = -1
+        for replica in self.replicas.values():
+            if replica is exclude or not replica.routable(now):
+                continue
+            if affinity_key is not None:
+                score = _mix(affinity_key, replica.seed)
+                if score > best_score:
+                    best_score, affine = score, replica
+            if replica.has_room() and (
+                least is None
+                or (replica.outstanding, replica.outstanding_tokens)
+                < (least.outstanding, least.outstanding_tokens)
+            ):
+                least = replica
+        if least is None:
+            return None
+        if (
+            affine is not None
+            and affine.has_room()
+            and affine.outstanding <= least.outstanding + slack
+        ):
+            return affine
+        return least
+
+    def acquire(self, replica: Replica, tokens: int) -> None:
+        replica.outstanding += 1
+        replica.outstanding_tokens += tokens
+
+    def release(self, replica: Replica, tokens: int) -> None:
+        replica.outstanding -= 1
+        replica.outstanding_tokens -= tokens
+
+    # -- health -------------------------------------------------------------------------
+    def record_success(self, replica: Replica) -> None:
+        replica.served += 1
+        if replica.state is ReplicaState.EJECTED:
+            replica.state = ReplicaState.READY
+        replica.failures = 0
+
+    def eject(self, replica: Replica, now: float) -> None:
+        replica.failures += 1
+        backoff = min(self.eject_max_s, self.eject_base_s * 2 ** (replica.failures - 1))
+        replica.state = ReplicaState.EJECTED
+        replica.ejected_until = now + backoff
+
+    def mark_draining(self, replica: Replica) -> None:
+        replica.state = ReplicaState.DRAINING
+
+    def mark_probe(self, replica: Replica, ready: bool, now: float) -> None:
+        """Apply a readiness probe (or an EndpointSlice condition) to a replica's state."""
+        if ready:
+            if replica.state in (ReplicaState.STARTING, ReplicaState.DRAINING):
+                replica.state = ReplicaState.READY
+                if replica.ready_at is None:
+                    replica.ready_at = now
+            elif replica.state is ReplicaState.EJECTED and now >= replica.ejected_until:
+                replica.state = ReplicaState.READY
+        elif replica.state is ReplicaState.READY:
+            # Once ready, "not ready" means draining (or dying): stop sending to it.
+            replica.state = ReplicaState.DRAINING

@@ -1,0 +1,203 @@
+"""The whole control plane on one machine: gateway and autoscalers in process, engines as
+child processes. The same code paths as on Kubernetes, minus the API server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from servefleet.api.gateway_config import ResolvedSecretKeys, render_gateway_config
+from servefleet.api.llmdeployment import LLMDeployment, LLMDeploymentSpec
+from servefleet.autoscaler.controller import DeploymentAutoscaler
+from servefleet.autoscaler.observe import InProcessGatewaySource, observe_deployment
+from servefleet.autoscaler.signals import Observation
+from servefleet.autoscaler.spec import targets_from_spec
+from servefleet.autoscaler.telemetry import AutoscalerMetrics
+from servefleet.gateway.app import Gateway
+
+from .actuator import LocalActuator
+from .engine_command import engine_command
+from .supervisor import DeploymentSupervisor
+from .tenants import LocalTenants
+
+log = logging.getLogger(__name__)
+
+EngineCommand = Callable[[LLMDeploymentSpec, str, int], list[str]]
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: `servefleet up` owns Ctrl-C and stops the
+    engines before the gateway."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class LocalOptions:
+    log_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    engine_command: EngineCommand = engine_command
+    stop_timeout_s: float = 5.0
+    env: dict[str, str] | None = None
+
+
+@dataclass
+class LocalControlPlane:
+    deployments: list[LLMDeployment]
+    tenants: LocalTenants
+    options: LocalOptions
+    metrics: AutoscalerMetrics = field(default_factory=AutoscalerMetrics)
+    supervisors: dict[str, DeploymentSupervisor] = field(default_factory=dict)
+    autoscalers: dict[str, DeploymentAutoscaler] = field(default_factory=dict)
+    gateway: Gateway | None = None
+    _server: uvicorn.Server | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _client: httpx.AsyncClient | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.port}/v1"
+
+    async def start(self) -> None:
+        opts = self.options
+        config = render_gateway_config(
+            self.deployments,
+            endpoints={},
+            key_source=ResolvedSecretKeys(self.tenants.resolve),
+            host=opts.host,
+            port=opts.port,
+        )
+        gateway = Gateway(config)
+        self.gateway = gateway
+        self._server = _QuietServer(
+            uvicorn.Config(gateway, host=opts.host, port=opts.port, log_level="warning")
+        )
+        self._tasks.append(asyncio.create_task(self._server.serve(), name="gateway"))
+        while not self._server.started:
+            if self._tasks[0].done():
+                self._tasks[0].result()
+                raise RuntimeError(f"gateway could not listen on {opts.host}:{opts.port}")
+            await asyncio.sleep(0.05)
+        self._client = httpx.AsyncClient(timeout=2.0)
+        source = InProcessGatewaySource(gateway.deployment_stats)
+        for dep in self.deployments:
+            self._start_deployment(dep, gateway, source)
+
+    def _start_deployment(
+        self, dep: LLMDeployment, gateway: Gateway, source: InProcessGatewaySource
+    ) -> None:
+        opts, spec, name = self.options, dep.spec, dep.name
+        supervisor = DeploymentSupervisor(
+            name,
+            lambda port: opts.engine_command(spec, opts.host, port),
+            host=opts.host,
+            log_dir=opts.log_dir,
+            on_change=lambda endpoints, ready: gateway.set_replicas(name, endpoints, ready),
+            env=opts.env,
+            ready_timeout_s=spec.engine.startup_timeout_seconds,
+            stop_timeout_s=opts.stop_timeout_s,
+        )
+        supervisor.scale(spec.desired_replicas())
+        self.supervisors[name] = supervisor
+        self._tasks.append(asyncio.create_task(supervisor.run(), name=f"supervise-{name}"))
+        if not spec.autoscaling.enabled:
+            return
+
+        async def observe() -> Observation:
+            assert self._client is not None
+            stats = (await source.deployments()).get(name)
+            return await observe_deployment(
+                client=self._client,
+                gateway=stats,
+                replicas=supervisor.targets(),
+                engine_kind=spec.engine.kind,
+                model_name=spec.model.name,
+            )
+
+        autoscaler = DeploymentAutoscaler(
+            name, targets_from_spec(spec), observe, LocalActuator(supervisor), self.metrics
+        )
+        self.autoscalers[name] = autoscaler
+        self._tasks.append(
+            asyncio.create_task(
+                self._autoscale(autoscaler, spec.autoscaling.interval), name=f"autoscale-{name}"
+            )
+        )
+
+    @staticmethod
+    async def _autoscale(autoscaler: DeploymentAutoscaler, interval: float) -> None:
+        while True:
+            await autoscaler.tick(time.monotonic())
+            await asyncio.sleep(interval)
+
+    async def wait_warm(self, timeout_s: float | None = None) -> None:
+        """Until every deployment has its warm minimum ready."""
+
+        async def warm() -> None:
+            while True:
+                if all(
+                    sum(1 for r in s.live() if r.ready_at is not None)
+                    >= dep.spec.desired_replicas()
+                    for dep, s in ((d, self.supervisors[d.name]) for d in self.deployments)
+                ):
+                    return
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(warm(), timeout_s)
+
+    async def stop(self) -> None:
+        """Stop autoscalers, then every engine process, then the gateway."""
+        for task in self._tasks[1:]:
+            task.cancel()
+        for task in self._tasks[1:]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await asyncio.gather(*(s.stop() for s in self.supervisors.values()))
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._tasks[0], self.options.stop_timeout_s)
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def banner(plane: LocalControlPlane) -> str:
+    key = plane.tenants.first_key() or "<your key>"
+    base = plane.base_url
+    model = plane.deployments[0].spec.model.name
+    lines = ["servefleet local mode"]
+    for dep in plane.deployments:
+        pool = dep.spec.pool
+        lines.append(
+            f"  {dep.name}: model {dep.spec.model.name}, replicas "
+            f"{pool.min_replicas}..{pool.max_replicas} (warm {dep.spec.desired_replicas()})"
+        )
+    if plane.tenants.demo_key is not None:
+        lines.append("  tenant: demo (created for this run; its key is below)")
+    lines += [
+        "",
+        f"export OPENAI_BASE_URL={base}",
+        f"export OPENAI_API_KEY={key}",
+        "",
+        'curl -s "$OPENAI_BASE_URL/chat/completions" -H "Authorization: Bearer $OPENAI_API_KEY" '
+        "-H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\'',
+        "",
+        'python -c "from openai import OpenAI; print(OpenAI().chat.completions.create('
+        f"model='{model}', messages=[{{'role': 'user', 'content': 'Hello!'}}])"
+        '.choices[0].message.content)"',
+        "",
+        f"engine logs: {plane.options.log_dir}   (Ctrl-C stops everything)",
+    ]
+    return "\n".join(lines)

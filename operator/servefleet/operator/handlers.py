@@ -1,0 +1,297 @@
+"""Thin kopf handlers: render the children, server-side apply them, write status.
+
+Every handler funnels into `Reconciler.reconcile` or `Reconciler.refresh_status`,
+which are idempotent: the create/update/resume handlers, the drift-repair timer and
+the engine Deployment watch may all fire for the same object, in any order, and
+after a restart, and the cluster converges to the same state without duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import httpx
+import kopf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from servefleet.api.llmdeployment import (
+    API_GROUP,
+    API_VERSION,
+    FULL_API_VERSION,
+    KIND,
+    PLURAL,
+    LLMDeployment,
+)
+from servefleet.operator import render
+from servefleet.operator.kube import Credentials, KubeClient, KubeError
+from servefleet.operator.status import (
+    EventSpec,
+    Observed,
+    compute_status,
+    status_patch,
+    transition_events,
+)
+
+log = logging.getLogger("servefleet.operator")
+
+
+class OperatorSettings(BaseModel):
+    """How this operator instance runs (from the command line / chart values)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to watch; empty = all."
+    )
+    engine_image: str = Field(description="Image for servefleet engine pods and model fetchers.")
+    gateway_url: str = Field(description="Base URL of the gateway Service, for status.endpoint.")
+    image_pull_policy: str = Field(
+        default="IfNotPresent", description="Pull policy of engine pods."
+    )
+    resync_seconds: float = Field(default=30.0, gt=0, description="Drift-repair period per object.")
+    service_monitor_check_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="How often to re-check whether the ServiceMonitor CRD exists.",
+    )
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    """Holds the API client and the per-object locks; everything else is passed in."""
+
+    def __init__(
+        self, client: KubeClient, settings: OperatorSettings, post_event: EventPoster | None = None
+    ) -> None:
+        self.client = client
+        self.post_event = post_event or _post_kopf_event
+        self.settings = settings
+        self.render_settings = render.RenderSettings(
+            engine_image=settings.engine_image,
+            gateway_url=settings.gateway_url,
+            image_pull_policy=settings.image_pull_policy,
+        )
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._service_monitor: tuple[float, bool] | None = None
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._locks.pop((namespace, name), None)
+
+    @property
+    def endpoint(self) -> str:
+        return self.settings.gateway_url.rstrip("/") + "/v1"
+
+    async def _with_service_monitor(self) -> bool:
+        now = time.monotonic()
+        if (
+            self._service_monitor is None
+            or now - self._service_monitor[0] > self.settings.service_monitor_check_seconds
+        ):
+            try:
+                exists = await self.client.has_api("monitoring.coreos.com/v1", "servicemonitors")
+            except KubeError as exc:
+                log.warning("cannot check for the ServiceMonitor API: %s", exc)
+                exists = False
+            self._service_monitor = (now, exists)
+        return self._service_monitor[1]
+
+    async def reconcile(self, dep: LLMDeployment) -> None:
+        """Apply every child, then write status. Raises kopf.TemporaryError to retry."""
+        async with self._lock(dep.namespace, dep.name):
+            error: str | None = None
+            children = render.children(
+                dep, self.render_settings, await self._with_service_monitor()
+            )
+            for obj in children:
+                try:
+                    await self.client.apply(obj, render.FIELD_MANAGER)
+                except KubeError as exc:
+                    error = f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
+                    break
+            await self._write_status(dep, error)
+        if error:
+            raise kopf.TemporaryError(error, delay=10)
+
+    async def resync_once(self) -> int:
+        """Reconcile every LLMDeployment once; returns how many were visited."""
+        items: list[dict[str, Any]] = []
+        namespaces: list[str | None] = [*self.settings.namespaces] or [None]
+        for namespace in namespaces:
+            items += await self.client.list(FULL_API_VERSION, KIND, namespace)
+        for body in items:
+            meta = body.get("metadata", {})
+            if meta.get("deletionTimestamp"):
+                continue
+            try:
+                await self.reconcile(LLMDeployment.model_validate(body))
+            except ValidationError:
+                continue  # reported by the spec handlers as InvalidSpec
+            except kopf.TemporaryError as exc:
+                log.warning(
+                    "drift repair of %s/%s: %s", meta.get("namespace"), meta.get("name"), exc
+                )
+        return len(items)
+
+    async def resync_forever(self) -> None:
+        """Drift repair: re-apply every child on a period, so an edited or deleted child is
+        put back. One loop for all objects rather than a kopf timer per object, because
+        kopf timers need a finalizer, and a finalizer would make deleting an
+        LLMDeployment hang whenever the operator is down."""
+        while True:
+            await asyncio.sleep(self.settings.resync_seconds)
+            try:
+                await self.resync_once()
+            except (KubeError, httpx.HTTPError) as exc:
+                log.warning("drift repair pass failed: %s", exc)
+
+    async def refresh_status(self, namespace: str, name: str) -> None:
+        """Recompute status from the cluster (after an engine Deployment changed)."""
+        async with self._lock(namespace, name):
+            body = await self.client.get(FULL_API_VERSION, KIND, namespace, name)
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                return
+            try:
+                dep = LLMDeployment.model_validate(body)
+            except ValidationError:
+                return  # the spec handlers report it
+            await self._write_status(dep, None)
+
+    async def _write_status(self, dep: LLMDeployment, error: str | None) -> None:
+        deployment = await self.client.get(
+            "apps/v1", "Deployment", dep.namespace, render.engine_name(dep)
+        )
+        new = compute_status(dep, Observed(deployment, error), self.endpoint, _now())
+        if status_patch(new) == status_patch(dep.status):
+            return
+        await self.client.patch_status(
+            FULL_API_VERSION, KIND, dep.namespace, dep.name, status_patch(new)
+        )
+        for event in transition_events(dep.status, new):
+            self.post_event(_event_target(dep), event)
+
+
+EventPoster = Callable[[dict[str, Any], EventSpec], None]
+
+
+def _post_kopf_event(target: dict[str, Any], event: EventSpec) -> None:
+    """Through kopf's poster: batched, and it knows the involved object reference format."""
+    kopf.event(cast(kopf.Body, target), type=event.type, reason=event.reason, message=event.message)
+
+
+def _event_target(dep: LLMDeployment) -> dict[str, Any]:
+    return {
+        "apiVersion": FULL_API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": dep.name, "namespace": dep.namespace, "uid": dep.metadata.uid},
+    }
+
+
+def plain(value: Any) -> Any:
+    """kopf hands out mapping views; pydantic wants plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def parse_body(body: kopf.Body) -> LLMDeployment:
+    """The kopf body as our model; a spec our models reject is a permanent error."""
+    try:
+        return LLMDeployment.model_validate(plain(body))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
+        kopf.warn(body, reason="InvalidSpec", message=problems)
+        raise kopf.PermanentError(f"invalid spec: {problems}") from exc
+
+
+def build_registry(settings: OperatorSettings, creds: Credentials) -> kopf.OperatorRegistry:
+    """A kopf registry with every handler bound to one Reconciler (no module globals)."""
+    registry = kopf.OperatorRegistry()
+    reconciler_box: dict[str, Reconciler] = {}
+    tasks: dict[str, asyncio.Task[None]] = {}
+    resource = (API_GROUP, API_VERSION, PLURAL)
+
+    def reconciler() -> Reconciler:
+        if "r" not in reconciler_box:
+            reconciler_box["r"] = Reconciler(KubeClient(creds), settings)
+        return reconciler_box["r"]
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Progress and diff-base go in annotations under our prefix: the status schema
+        # is structural and would prune kopf's own status fields.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=API_GROUP, key="last-handled-configuration"
+        )
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.networking.request_timeout = 60
+
+    @kopf.on.startup(registry=registry)
+    async def start_drift_repair(**_: Any) -> None:
+        tasks["resync"] = asyncio.create_task(reconciler().resync_forever(), name="drift-repair")
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(
+            server=creds.server,
+            token=creds.token,
+            ca_data=creds.ca_data,
+            certificate_data=creds.cert_data,
+            private_key_data=creds.key_data,
+            insecure=creds.insecure,
+            default_namespace=creds.namespace,
+            scheme="Bearer" if creds.token else None,
+        )
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        if task := tasks.pop("resync", None):
+            task.cancel()
+        if "r" in reconciler_box:
+            await reconciler_box["r"].client.aclose()
+
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, field="spec", registry=registry)
+    async def reconcile_spec(body: kopf.Body, **_: Any) -> None:
+        await reconciler().reconcile(parse_body(body))
+
+    @kopf.on.delete(*resource, registry=registry, optional=True)
+    def forget(name: str, namespace: str | None, **_: Any) -> None:
+        reconciler().forget(namespace or "", name)
+
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "deployments",
+        labels={
+            render.LABEL_DEPLOYMENT: kopf.PRESENT,
+            "app.kubernetes.io/managed-by": render.FIELD_MANAGER,
+        },
+        registry=registry,
+    )
+    async def engine_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+        """Readiness moves on the engine Deployment: reflect it in the parent's status now."""
+        owner = body.get("metadata", {}).get("labels", {}).get(render.LABEL_DEPLOYMENT)
+        if owner and type != "DELETED":
+            await reconciler().refresh_status(body["metadata"]["namespace"], owner)
+
+    return registry

@@ -1,0 +1,347 @@
+"""Pure functions: an LLMDeployment in, the child objects it needs out (plain dicts).
+
+No I/O here, so every child is unit- and snapshot-tested, and the handlers only
+apply what these return. The engine workload is a Deployment (see README: rolling
+updates with maxUnavailable 0 keep the warm minimum ready, and the ReplicaSet
+controller honours `controller.kubernetes.io/pod-deletion-cost`, which is how the
+autoscaler makes the idlest replica the one removed on scale-down).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
+from servefleet.operator.adapters import EngineAdapter, adapter_for
+
+FIELD_MANAGER = "servefleet-operator"
+LABEL_DEPLOYMENT = "servefleet.io/llmdeployment"
+LABEL_COMPONENT = "servefleet.io/component"
+LABEL_ENGINE = "servefleet.io/engine"
+LABEL_GATEWAY_ROUTE = "servefleet.io/gateway-route"
+MODEL_MOUNT = "/models"
+PROBE_PERIOD_SECONDS = 5
+# Time between SIGKILL and the end of the engine's own drain, for the process to exit.
+EXIT_GRACE_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    """Cluster-wide choices the chart passes to the operator."""
+
+    engine_image: str
+    gateway_url: str
+    image_pull_policy: str = "IfNotPresent"
+
+
+def engine_name(dep: LLMDeployment) -> str:
+    return f"{dep.name}-engine"
+
+
+def route_name(dep: LLMDeployment) -> str:
+    return f"{dep.name}-gateway-route"
+
+
+def selector_labels(dep: LLMDeployment) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: dep.name, LABEL_COMPONENT: "engine"}
+
+
+def selector_string(dep: LLMDeployment) -> str:
+    """The engine pods' selector as text, for status.selector (the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(dep).items()))
+
+
+def common_labels(dep: LLMDeployment) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "servefleet-engine",
+        "app.kubernetes.io/instance": dep.name,
+        "app.kubernetes.io/part-of": "servefleet",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        LABEL_DEPLOYMENT: dep.name,
+    }
+
+
+def owner_reference(dep: LLMDeployment) -> dict[str, Any]:
+    if not dep.metadata.uid:
+        raise ValueError(
+            f"{KIND} {dep.namespace}/{dep.name} has no uid; read it from the API server"
+        )
+    return {
+        "apiVersion": FULL_API_VERSION,
+        "kind": KIND,
+        "name": dep.name,
+        "uid": dep.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(
+    dep: LLMDeployment, name: str, extra_labels: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": dep.namespace,
+        "labels": {**common_labels(dep), **(extra_labels or {})},
+        "ownerReferences": [owner_reference(dep)],
+    }
+
+
+# --------------------------------------------------------------------------- engine pods
+
+
+def _model_location(
+    dep: LLMDeployment, settings: RenderSettings
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the engine's --model value, volumes, volume mounts, init containers)."""
+    source = dep.spec.model.source
+    if source.builtin is not None:
+        return source.builtin, [], [], []
+    if source.pvc is not None:
+        volume = {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True},
+        }
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        path = posixpath.join(MODEL_MOUNT, source.pvc.path) if source.pvc.path else MODEL_MOUNT
+        return path, [volume], [mount], []
+    assert source.url is not None
+    filename = posixpath.basename(source.url.split("?", 1)[0]) or "model"
+    target = posixpath.join(MODEL_MOUNT, filename)
+    volume = {"name": "model", "emptyDir": {}}
+    fetch = {
+        "name": "fetch-model",
+        "image": settings.engine_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": [
+            "python3",
+            "-c",
+            "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])",
+            source.url,
+            target,
+        ],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+    }
+    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    return target, [volume], [mount], [fetch]
+
+
+def _env(dep: LLMDeployment) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for var in dep.spec.engine.env:
+        if var.secret_key_ref is not None:
+            ref = var.secret_key_ref
+            out.append(
+                {
+                    "name": var.name,
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+                }
+            )
+        else:
+            out.append({"name": var.name, "value": var.value or ""})
+    return out
+
+
+def _resources(dep: LLMDeployment) -> dict[str, Any]:
+    res = dep.spec.engine.resources
+    out: dict[str, Any] = {}
+    if res.requests:
+        out["requests"] = {k: str(v) for k, v in sorted(res.requests.items())}
+    if res.limits:
+        out["limits"] = {k: str(v) for k, v in sorted(res.limits.items())}
+    return out
+
+
+def _probes(adapter: EngineAdapter, startup_timeout: int) -> dict[str, Any]:
+    def http(path: str) -> dict[str, Any]:
+        return {"path": path, "port": "http"}
+
+    return {
+        # Slow model loads get the whole startupTimeoutSeconds before liveness counts.
+        "startupProbe": {
+            "httpGet": http(adapter.live_path),
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "failureThreshold": max(1, -(-startup_timeout // PROBE_PERIOD_SECONDS)),
+        },
+        # Ready means the model is loaded and warm; a draining engine answers 503 here.
+        "readinessProbe": {
+            "httpGet": http(adapter.ready_path),
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": http(adapter.live_path),
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[str, Any]:
+    engine = dep.spec.engine
+    adapter = adapter_for(engine.kind)
+    image = engine.image or adapter.default_image or settings.engine_image
+    model_arg, volumes, mounts, init_containers = _model_location(dep, settings)
+    if adapter.needs_shared_memory:
+        volumes = [*volumes, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        mounts = [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}]
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": list(adapter.command),
+        "args": adapter.args(engine, model_arg, dep.spec.model.name),
+        "ports": [{"name": "http", "containerPort": adapter.port, "protocol": "TCP"}],
+        **_probes(adapter, engine.startup_timeout_seconds),
+    }
+    if env := _env(dep):
+        container["env"] = env
+    if resources := _resources(dep):
+        container["resources"] = resources
+    if mounts:
+        container["volumeMounts"] = mounts
+    spec: dict[str, Any] = {
+        "containers": [container],
+        # The engine drains in-flight requests on SIGTERM; give it that long, plus exit time.
+        "terminationGracePeriodSeconds": engine.drain_timeout_seconds + EXIT_GRACE_SECONDS,
+        "enableServiceLinks": False,
+    }
+    if init_containers:
+        spec["initContainers"] = init_containers
+    if volumes:
+        spec["volumes"] = volumes
+    if engine.resources.gpus() > 0:
+        spec["tolerations"] = [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    return {
+        "metadata": {
+            "labels": {**common_labels(dep), **selector_labels(dep), LABEL_ENGINE: engine.kind},
+        },
+        "spec": spec,
+    }
+
+
+def engine_deployment(dep: LLMDeployment, settings: RenderSettings) -> dict[str, Any]:
+    """The engine workload. maxUnavailable 0 / maxSurge 1: a rollout adds a new replica,
+    waits until it is ready (model warm), then removes an old one, so the number of
+    ready replicas never drops below the desired count, hence never below the warm pool."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "spec": {
+            "replicas": dep.spec.desired_replicas(),
+            "selector": {"matchLabels": selector_labels(dep)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "minReadySeconds": 0,
+            "progressDeadlineSeconds": dep.spec.engine.startup_timeout_seconds + 300,
+            "revisionHistoryLimit": 3,
+            "template": engine_pod_template(dep, settings),
+        },
+    }
+
+
+def headless_service(dep: LLMDeployment) -> dict[str, Any]:
+    """One DNS record / EndpointSlice entry per ready replica: the gateway routes per replica."""
+    port = adapter_for(dep.spec.engine.kind).port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(dep),
+            "publishNotReadyAddresses": False,
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def pod_disruption_budget(dep: LLMDeployment) -> dict[str, Any]:
+    """Voluntary evictions (node drains) may not take the pool below its warm minimum."""
+    min_replicas = dep.spec.pool.min_replicas
+    budget: dict[str, Any] = (
+        {"minAvailable": min_replicas} if min_replicas > 0 else {"maxUnavailable": 1}
+    )
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "spec": {"selector": {"matchLabels": selector_labels(dep)}, **budget},
+    }
+
+
+def service_monitor(dep: LLMDeployment) -> dict[str, Any]:
+    """Prometheus Operator scrape config for the engine replicas (only when that CRD exists)."""
+    adapter = adapter_for(dep.spec.engine.kind)
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "spec": {
+            "selector": {"matchLabels": {**selector_labels(dep)}},
+            "endpoints": [{"port": "http", "path": adapter.metrics_path, "interval": "15s"}],
+        },
+    }
+
+
+def gateway_route(dep: LLMDeployment) -> dict[str, Any]:
+    """What the gateway needs to serve this deployment: the spec (tenants hold only Secret
+    references, never keys), where the replicas are, and the engine's metric names."""
+    adapter = adapter_for(dep.spec.engine.kind)
+    spec = dep.spec.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"replicas"})
+    return {
+        "name": dep.name,
+        "namespace": dep.namespace,
+        "model": dep.spec.model.name,
+        "service": f"{engine_name(dep)}.{dep.namespace}.svc",
+        "port": adapter.port,
+        "engine": {
+            "kind": adapter.kind,
+            "metrics": {
+                "requestsWaiting": adapter.metrics.requests_waiting,
+                "requestsRunning": adapter.metrics.requests_running,
+                "kvCacheUsage": adapter.metrics.kv_cache_usage,
+            },
+        },
+        "spec": spec,
+    }
+
+
+def gateway_route_configmap(dep: LLMDeployment) -> dict[str, Any]:
+    """The route as a ConfigMap the gateway watches (label servefleet.io/gateway-route=true)."""
+    # Sorted keys and a fixed width: re-rendering an unchanged spec gives identical bytes,
+    # so server-side apply is a no-op and nothing churns.
+    body = yaml.safe_dump(gateway_route(dep), sort_keys=True, width=100)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(
+            dep, route_name(dep), {LABEL_COMPONENT: "gateway-route", LABEL_GATEWAY_ROUTE: "true"}
+        ),
+        "data": {"route.yaml": body},
+    }
+
+
+def children(
+    dep: LLMDeployment, settings: RenderSettings, with_service_monitor: bool
+) -> list[dict[str, Any]]:
+    """Every child object of one LLMDeployment, in apply order."""
+    objects = [
+        gateway_route_configmap(dep),
+        headless_service(dep),
+        engine_deployment(dep, settings),
+        pod_disruption_budget(dep),
+    ]
+    if with_service_monitor:
+        objects.append(service_monitor(dep))
+    return objects

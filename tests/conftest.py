@@ -1,0 +1,25 @@
+"""Shared fixtures: the real SmolLM2 model, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
+
+# Before anything imports torch: keep oneDNN off AMX where the CPU only pretends to have it.
+ensure_safe_cpu_isa()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+BUILTIN = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2():  # type: ignore[no-untyped-def]
+    """The built-in model, loaded by our loader (float32, CPU)."""
+    from servefleet.engine.app import load_for
+    from servefleet.engine.config import EngineConfig
+
+    return load_for(EngineConfig(model=BUILTIN, device="cpu", dtype="float32"))

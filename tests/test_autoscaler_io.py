@@ -1,0 +1,178 @@
+"""Scraping (vLLM, SGLang, our engine, the gateway) and the Kubernetes actuator's requests."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from servefleet.autoscaler.actuate import POD_DELETION_COST, KubernetesActuator
+from servefleet.autoscaler.cluster import replica_from_pod
+from servefleet.autoscaler.engine_metrics import MetricsFormatError, parse_engine_load
+from servefleet.autoscaler.kube import KubeClient
+from servefleet.autoscaler.observe import ReplicaTarget, observe_deployment, parse_gateway_stats
+from servefleet.autoscaler.policy import decide
+from servefleet.autoscaler.signals import Observation, ReplicaLoad, ReplicaState
+from servefleet.autoscaler.targets import ScalingTargets
+from servefleet.autoscaler.telemetry import AutoscalerMetrics
+
+VLLM = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="a"} 3.0
+vllm:num_requests_waiting{model_name="b"} 100.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a"} 5.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="a"} 0.5
+"""
+SGLANG = """sglang:num_queue_reqs{model_name="a"} 2
+sglang:num_running_reqs{model_name="a"} 7
+sglang:token_usage{model_name="a"} 0.75
+"""
+
+
+def test_vllm_and_sglang_names_read_the_same_numbers() -> None:
+    v = parse_engine_load(VLLM, "vllm", model_name="a")
+    assert (v.waiting, v.running, v.kv_cache_usage) == (3, 5, 0.5)
+    assert parse_engine_load(VLLM, "servefleet", model_name="a") == v
+    s = parse_engine_load(SGLANG, "sglang")
+    assert (s.waiting, s.running, s.kv_cache_usage) == (2, 7, 0.75)
+    assert parse_engine_load(VLLM, "vllm").waiting == 103  # all models when none is named
+
+
+def test_missing_series_and_unknown_kinds_are_errors() -> None:
+    with pytest.raises(MetricsFormatError, match="sglang:num_queue_reqs"):
+        parse_engine_load(VLLM, "sglang")
+    with pytest.raises(ValueError, match="unknown engine kind"):
+        parse_engine_load(VLLM, "tgi")
+
+
+async def test_observe_combines_gateway_queue_and_engine_metrics() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "r0":
+            return httpx.Response(200, text=VLLM)
+        return httpx.Response(500)  # r1's /metrics is down
+
+    gateway = parse_gateway_stats(
+        [
+            {
+                "name": "d",
+                "queue_depth": 4,
+                "replicas": [{"endpoint": "http://r1:8000", "state": "ready", "outstanding": 6}],
+                "unrelated": True,
+            }
+        ]
+    )["d"]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        obs = await observe_deployment(
+            client=client,
+            gateway=gateway,
+            replicas=[
+                ReplicaTarget(name="r0", base_url="http://r0:8000", state=ReplicaState.READY),
+                ReplicaTarget(name="r1", base_url="http://r1:8000", state=ReplicaState.READY),
+                ReplicaTarget(name="r2", base_url="http://r2:8000", state=ReplicaState.STARTING),
+            ],
+            engine_kind="vllm",
+            model_name="a",
+        )
+    loads = {r.name: r for r in obs.replicas}
+    assert loads["r0"].in_flight == 8 and loads["r0"].kv_cache_usage == 0.5
+    assert loads["r1"].running == 6  # a failed scrape falls back to the gateway's count
+    assert loads["r2"].state is ReplicaState.STARTING
+    assert obs.demand == 4 + 8 + 6
+
+
+def test_pods_map_to_replica_states() -> None:
+    def pod(name: str, ready: bool, deleting: bool = False) -> dict:
+        meta: dict = {"name": name}
+        if deleting:
+            meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+        return {
+            "metadata": meta,
+            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 9000}]}]},
+            "status": {
+                "podIP": "10.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
+        }
+
+    assert replica_from_pod(pod("a", True)).state is ReplicaState.READY  # type: ignore[union-attr]
+    assert replica_from_pod(pod("b", False)).state is ReplicaState.STARTING  # type: ignore[union-attr]
+    gone = replica_from_pod(pod("c", True, deleting=True))
+    assert gone is not None and gone.state is ReplicaState.DRAINING
+    assert gone.base_url == "http://10.0.0.1:9000"
+    assert replica_from_pod({"metadata": {"name": "x"}, "status": {}}) is None
+
+
+async def test_kubernetes_actuator_annotates_scales_and_explains() -> None:
+    calls: list[tuple[str, str, dict]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        calls.append((request.method, request.url.path, body))
+        if request.method == "GET":
+            return httpx.Response(200, json={"spec": {"replicas": 3}})
+        return httpx.Response(200, json={})
+
+    kube = KubeClient(
+        httpx.AsyncClient(base_url="https://api", transport=httpx.MockTransport(handler))
+    )
+    replicas = (
+        ReplicaLoad(name="p0", state=ReplicaState.READY, running=5),
+        ReplicaLoad(name="p1", state=ReplicaState.READY, running=0, kv_cache_usage=0.1),
+        ReplicaLoad(name="p2", state=ReplicaState.READY, running=2),
+    )
+    obs = Observation(replicas=replicas)
+    targets = ScalingTargets(
+        min_replicas=1, max_replicas=5, target_per_replica=4, scale_down_delay_s=0
+    )
+    decision = decide(obs, targets, now=0)
+    assert decision.desired == 2 and decision.victim == "p1"
+    await KubernetesActuator(kube, "ns").apply("llm", decision, obs)
+    await kube.aclose()
+
+    annotations = {
+        path.rsplit("/", 1)[1]: body["metadata"]["annotations"][POD_DELETION_COST]
+        for method, path, body in calls
+        if method == "PATCH" and "/pods/" in path
+    }
+    assert annotations == {"p1": "-1", "p2": "1", "p0": "2"}
+    scale = [b for m, p, b in calls if m == "PATCH" and p.endswith("/llm/scale")]
+    assert scale == [{"spec": {"replicas": 2}}]
+    assert calls[-1][1] == "/api/v1/namespaces/ns/events"
+    event = calls[-1][2]
+    assert event["involvedObject"]["kind"] == "LLMDeployment"
+    assert "3 -> 2: scale_down" in event["message"]
+    order = [p for _, p, _ in calls]
+    assert max(i for i, p in enumerate(order) if "/pods/" in p) < order.index(
+        "/apis/servefleet.io/v1alpha1/namespaces/ns/llmdeployments/llm/scale", 1
+    )
+
+
+async def test_kubernetes_actuator_leaves_an_unchanged_pool_alone() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        return httpx.Response(200, json={"spec": {"replicas": 1}})
+
+    kube = KubeClient(
+        httpx.AsyncClient(base_url="https://a", transport=httpx.MockTransport(handler))
+    )
+    obs = Observation(replicas=(ReplicaLoad(name="p0", state=ReplicaState.READY),))
+    targets = ScalingTargets(min_replicas=1, max_replicas=3, target_per_replica=4)
+    await KubernetesActuator(kube, "ns").apply("llm", decide(obs, targets, now=0), obs)
+    await kube.aclose()
+    assert calls == []
+
+
+def test_every_decision_is_a_metric() -> None:
+    metrics = AutoscalerMetrics()
+    targets = ScalingTargets(min_replicas=1, max_replicas=3, target_per_replica=4)
+    obs = Observation(gateway_queued=9, replicas=(ReplicaLoad(name="a", state=ReplicaState.READY),))
+    metrics.record("llm", decide(obs, targets, now=0))
+    text = metrics.render().decode()
+    assert 'servefleet_autoscaler_desired_replicas{deployment="llm"} 3.0' in text
+    assert 'servefleet_autoscaler_current_replicas{deployment="llm"} 1.0' in text
+    assert 'servefleet_autoscaler_reason{deployment="llm",reason="demand"} 1.0' in text
+    assert 'servefleet_autoscaler_reason{deployment="llm",reason="steady"} 0.0' in text

@@ -1,0 +1,63 @@
+"""Chart facts that need no helm binary (helm lint/template run in e2e/)."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "servefleet"
+
+
+def package_version() -> str:
+    version: str = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    return version
+
+
+def test_chart_versions_follow_the_package() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == package_version()
+    assert chart["version"] == package_version()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["image"]["tag"] == ""  # empty: defaults to appVersion in the templates
+    assert (
+        "default .Chart.AppVersion .Values.image.tag"
+        in (CHART / "templates" / "_helpers.tpl").read_text()
+    )
+
+
+def test_dockerfile_is_pinned_and_runs_servefleet() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    images = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
+    assert images and all(re.search(r":\d+\.\d+\.\d+", image) for image in images)
+    assert 'ENTRYPOINT ["servefleet"]' in text
+    assert "--frozen" in text
+
+
+def test_dashboards_are_valid_grafana_json() -> None:
+    files = sorted((CHART / "files" / "dashboards").glob("*.json"))
+    assert files
+    for path in files:
+        dashboard = json.loads(path.read_text())
+        assert dashboard["uid"] and dashboard["panels"]
+        for panel in dashboard["panels"]:
+            assert panel["targets"][0]["expr"]
+
+
+def test_operator_rbac_never_deletes_and_never_reads_secrets() -> None:
+    text = (CHART / "templates" / "rbac.yaml").read_text()
+    operator_role = text.split("name: {{ $fullname }}-operator", 1)[1].split(
+        "kind: ClusterRole", 1
+    )[0]
+    rules = [
+        line
+        for line in operator_role.splitlines()
+        if line.strip().startswith(("verbs:", "resources:"))
+    ]
+    assert rules
+    assert not any("delete" in line or "secrets" in line for line in rules)
+    assert "'*'" not in text and '"*"' not in text

@@ -1,0 +1,279 @@
+"""The gateway end to end over HTTP, against in-test OpenAI-compatible upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from servefleet.api.gateway_config import (
+    ApiKeyRef,
+    GatewayConfig,
+    GatewayDeployment,
+    GatewayTenant,
+    SecretValueRef,
+    TenantAccess,
+    hash_api_key,
+)
+from servefleet.api.llmdeployment import SpilloverSpec, TenantLimits
+from servefleet.gateway.app import Gateway
+from servefleet.gateway.fake_upstream import FakeBehaviour, FakeOpenAI, serve_in_thread
+
+MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
+CHAT: dict[str, Any] = {"model": "m", "messages": MESSAGES, "max_tokens": 8}
+
+
+def tenant(name: str, **limits: Any) -> GatewayTenant:
+    return GatewayTenant(
+        name=name,
+        api_keys=[ApiKeyRef(sha256=hash_api_key(f"key-{name}"))],
+        limits=TenantLimits(**limits),
+    )
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"authorization": f"Bearer key-{name}"}
+
+
+class Rig:
+    def __init__(self, gateway: Gateway, base: str, fakes: list[FakeOpenAI]) -> None:
+        self.gateway, self.base, self.fakes = gateway, base, fakes
+
+
+@pytest.fixture
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    """Gateway + N fake replicas; parametrise with a dict of options via indirect."""
+    opts: dict[str, Any] = getattr(request, "param", {})
+    with ExitStack() as stack:
+        fakes = [FakeOpenAI(FakeBehaviour()) for _ in range(opts.get("replicas", 1))]
+        urls = [stack.enter_context(serve_in_thread(f)) for f in fakes]
+        spill_kw: dict[str, Any] = {}
+        if "spill" in opts:
+            hosted = FakeOpenAI(FakeBehaviour(require_key="hosted-key"))
+            fakes.append(hosted)
+            hosted_url = stack.enter_context(serve_in_thread(hosted))
+            spill_kw = {
+                "spillover": SpilloverSpec.model_validate(
+                    {
+                        "enabled": True,
+                        "baseURL": hosted_url + "/v1",
+                        "model": "hosted-m",
+                        "apiKeySecretRef": {"name": "s", "key": "k"},
+                        **opts["spill"],
+                    }
+                ),
+                "spillover_api_key": SecretValueRef(env="HOSTED_KEY"),
+            }
+        config = GatewayConfig(
+            tenants=[tenant("a", **opts.get("limits", {})), tenant("b")],
+            deployments=[
+                GatewayDeployment(
+                    name="d",
+                    model="m",
+                    tenants=[TenantAccess(name="a"), TenantAccess(name="b")],
+                    upstream_timeout_seconds=opts.get("timeout", 30.0),
+                    cold_start_seconds=60.0,  # longer than maxQueueWait (30 s)
+                    **spill_kw,
+                ),
+                GatewayDeployment(
+                    name="other", model="secret-model", tenants=[TenantAccess(name="b")]
+                ),
+            ],
+        )
+        gateway = Gateway(config, environ={"HOSTED_KEY": "hosted-key"})
+        if not opts.get("no_replicas"):
+            gateway.set_replicas("d", urls, ready=urls)
+        base = stack.enter_context(serve_in_thread(gateway))
+        yield Rig(gateway, base, fakes)
+
+
+def test_auth_models_and_not_found(rig: Rig) -> None:
+    assert httpx.post(rig.base + "/v1/chat/completions", json=CHAT).status_code == 401
+    models = httpx.get(rig.base + "/v1/models", headers=auth("a")).json()
+    assert [m["id"] for m in models["data"]] == ["m"]
+    # Tenant a may not use secret-model: the same 404 as a model that does not exist.
+    hidden = httpx.post(
+        rig.base + "/v1/chat/completions", headers=auth("a"), json={**CHAT, "model": "secret-model"}
+    )
+    missing = httpx.post(
+        rig.base + "/v1/chat/completions", headers=auth("a"), json={**CHAT, "model": "nope"}
+    )
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json()["error"]["code"] == "model_not_found"
+    bad = httpx.post(
+        rig.base + "/v1/chat/completions", headers=auth("a"), json={"model": "m", "messages": []}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("rig", [{"limits": {"tokens_per_minute": 5 * 60}}], indirect=True)
+def test_burst_of_20_gets_5_admitted_and_15_429s_with_openai_headers(rig: Rig) -> None:
+    # Each request reserves its prompt estimate (8) + max_tokens 50 = 58 -> 5 fit in 300.
+    body = {**CHAT, "max_tokens": 50}
+    # Slow answers: no request settles (and refunds) before all 20 have been decided.
+    rig.fakes[0].behaviour.first_token_delay_s = 1.0
+
+    async def fire() -> list[httpx.Response]:
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(
+                *(
+                    client.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=body)
+                    for _ in range(20)
+                )
+            )
+
+    responses = asyncio.run(fire())
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) == 5 and codes.count(429) == 15
+    limited = next(r for r in responses if r.status_code == 429)
+    assert int(limited.headers["retry-after"]) >= 1
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    for r in responses:
+        assert r.headers["x-ratelimit-limit-tokens"] == "300"
+        assert "x-ratelimit-remaining-tokens" in r.headers
+        assert "x-ratelimit-reset-tokens" in r.headers
+
+
+def test_openai_client_sync_async_streaming_and_not(rig: Rig) -> None:
+    client = openai.OpenAI(base_url=rig.base + "/v1", api_key="key-a")
+    reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
+    assert reply.choices[0].message.content and reply.usage is not None
+    stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, stream=True)
+    chunks = list(stream)
+    assert chunks and all(c.usage is None for c in chunks)  # injected usage chunk is hidden
+    with_usage = list(
+        client.chat.completions.create(
+            model="m",
+            messages=MESSAGES,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert with_usage[-1].usage is not None
+    text = client.completions.create(model="m", prompt="once upon", max_tokens=4)
+    assert text.choices[0].text
+
+    async def run_async() -> str:
+        aclient = openai.AsyncOpenAI(base_url=rig.base + "/v1", api_key="key-a")
+        parts = []
+        async for chunk in await aclient.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=4, stream=True
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+        plain = await aclient.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
+        await aclient.close()
+        return "".join(parts) + str(plain.choices[0].message.content)
+
+    assert "tok" in asyncio.run(run_async())
+    raw = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT)
+    assert raw.headers["x-servefleet-route"] == "pool"
+
+
+@pytest.mark.parametrize("rig", [{"limits": {"max_concurrent_requests": 1}}], indirect=True)
+def test_openai_client_backs_off_on_our_429_and_then_succeeds(rig: Rig) -> None:
+    rig.fakes[0].behaviour.token_delay_s = 0.1  # the first request holds the only slot ~0.8 s
+
+    async def both() -> list[Any]:
+        aclient = openai.AsyncOpenAI(base_url=rig.base + "/v1", api_key="key-a", max_retries=3)
+        first = asyncio.create_task(
+            aclient.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8)
+        )
+        await asyncio.sleep(0.2)
+        second = await aclient.chat.completions.with_raw_response.create(
+            model="m", messages=MESSAGES, max_tokens=8
+        )
+        return [await first, second]
+
+    first, second = asyncio.run(both())
+    assert first.choices[0].message.content
+    assert second.http_response.status_code == 200
+    arrivals = rig.fakes[0].stats.arrivals
+    assert len(arrivals) == 2  # the refused attempt never reached the replica
+    # The client waited for our Retry-After (1 s) before trying again.
+    assert arrivals[1] - arrivals[0] >= 1.0
+
+
+@pytest.mark.parametrize("rig", [{"no_replicas": True, "spill": {}}], indirect=True)
+def test_spill_over_when_no_replica_is_ready(rig: Rig) -> None:
+    hosted = rig.fakes[-1]
+    response = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT)
+    assert response.status_code == 200
+    assert response.headers["x-servefleet-route"] == "spillover"
+    assert hosted.stats.requests[-1]["model"] == "hosted-m"
+    with httpx.stream(
+        "POST", rig.base + "/v1/chat/completions", headers=auth("a"), json={**CHAT, "stream": True}
+    ) as stream:
+        assert stream.headers["x-servefleet-route"] == "spillover"
+        assert b"[DONE]" in stream.read()
+    metrics = httpx.get(rig.base + "/metrics").text
+    assert 'outcome="spilled",tenant="a"} 2.0' in metrics
+
+
+@pytest.mark.parametrize(
+    "rig", [{"no_replicas": True, "spill": {"maxRequestsPerMinute": 1}}], indirect=True
+)
+def test_spill_over_rate_cap_sheds_with_retry_after(rig: Rig) -> None:
+    first = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT)
+    second = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT)
+    assert first.status_code == 200
+    # No replica, no spill budget, a 60 s cold start ahead: shed now, retry after the prediction.
+    assert second.status_code == 503 and int(second.headers["retry-after"]) == 60
+    assert second.json()["error"]["type"] == "server_overloaded"
+
+
+@pytest.mark.parametrize("rig", [{"replicas": 2}], indirect=True)
+def test_failed_replica_is_retried_elsewhere_and_ejected(rig: Rig) -> None:
+    bad, _good = rig.fakes
+    bad.behaviour.status = 500
+    for _ in range(4):
+        r = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT)
+        assert r.status_code == 200
+    assert len(bad.stats.requests) == 1  # ejected after its first failure
+    states = {r["endpoint"]: r["state"] for r in rig.gateway.deployment_stats()[0]["replicas"]}
+    assert "ejected" in states.values()
+
+
+@pytest.mark.parametrize("rig", [{"replicas": 2}], indirect=True)
+def test_draining_replica_gets_no_new_requests(rig: Rig) -> None:
+    draining, other = rig.fakes
+    draining.behaviour.status = 503
+    for _ in range(4):
+        r = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT)
+        assert r.status_code == 200
+    assert len(draining.stats.requests) <= 1
+    assert len(other.stats.requests) >= 4
+
+
+@pytest.mark.parametrize("rig", [{"timeout": 0.5}], indirect=True)
+def test_hanging_upstream_is_cut_with_an_openai_error(rig: Rig) -> None:
+    rig.fakes[0].behaviour.hang = True
+    started = time.monotonic()
+    r = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT, timeout=30)
+    assert r.status_code == 504
+    assert r.json()["error"]["type"] == "upstream_error"
+    assert time.monotonic() - started < 25  # cut by the gateway, not by the client
+
+
+def test_internal_api_reports_and_updates_replicas(rig: Rig) -> None:
+    stats = httpx.get(rig.base + "/internal/deployments").json()
+    assert {s["name"] for s in stats} == {"d", "other"}
+    assert {"queue_depth", "in_flight", "service_rate"} <= set(stats[0])
+    r = httpx.post(
+        rig.base + "/internal/deployments/other/replicas",
+        json={"endpoints": ["http://127.0.0.1:9"]},
+    )
+    assert r.status_code == 200 and r.json()["replicas"][0]["state"] == "starting"
+    assert (
+        httpx.post(
+            rig.base + "/internal/deployments/x/replicas", json={"endpoints": []}
+        ).status_code
+        == 404
+    )

@@ -1,0 +1,193 @@
+"""Limits: reservation and settlement, in process and through a real Redis, and Redis failover."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from servefleet.gateway.limits import (
+    FailoverLimiter,
+    LimitPolicy,
+    LimitScope,
+    LocalLimiter,
+    RedisLimiter,
+    RequestTooLarge,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scope(**kw: int) -> list[LimitScope]:
+    return [LimitScope("t:acme", LimitPolicy(**kw))]
+
+
+async def test_tokens_are_reserved_then_the_unused_part_is_given_back() -> None:
+    clock = Clock()
+    limiter = LocalLimiter(clock=clock, wall_clock=clock)
+    scopes = _scope(tokens_per_minute=1000)
+    first = await limiter.reserve(scopes, 600)
+    assert first.admitted and first.snapshot.remaining_tokens == 400
+    assert not (await limiter.reserve(scopes, 600)).admitted  # 600 > 400 left
+    assert first.reservation is not None
+    await limiter.settle(first.reservation, 100)  # only 100 were used: 500 come back
+    second = await limiter.reserve(scopes, 600)
+    assert second.admitted and second.snapshot.remaining_tokens == 300
+
+
+async def test_windows_refill_and_429_says_when() -> None:
+    clock = Clock()
+    limiter = LocalLimiter(clock=clock, wall_clock=clock)
+    scopes = _scope(requests_per_minute=2)
+    assert (await limiter.reserve(scopes, 1)).admitted
+    assert (await limiter.reserve(scopes, 1)).admitted
+    refused = await limiter.reserve(scopes, 1)
+    assert not refused.admitted and refused.exceeded == "requests_per_minute"
+    assert refused.retry_after_s == pytest.approx(30.0)
+    clock.now += 30.0
+    assert (await limiter.reserve(scopes, 1)).admitted
+
+
+async def test_concurrency_and_daily_budget() -> None:
+    clock = Clock()
+    limiter = LocalLimiter(clock=clock, wall_clock=clock)
+    scopes = _scope(max_concurrent=1, daily_tokens=100)
+    held = await limiter.reserve(scopes, 10)
+    assert held.admitted and held.reservation is not None
+    busy = await limiter.reserve(scopes, 10)
+    assert busy.exceeded == "max_concurrent"
+    await limiter.settle(held.reservation, 10)
+    big = await limiter.reserve(scopes, 95)
+    assert big.exceeded == "daily_tokens"
+    with pytest.raises(RequestTooLarge):
+        await limiter.reserve(_scope(tokens_per_minute=50), 51)
+
+
+async def test_burst_of_20_with_room_for_5_admits_exactly_5_in_process() -> None:
+    limiter = LocalLimiter()
+    scopes = _scope(tokens_per_minute=500)
+    decisions = await asyncio.gather(*(limiter.reserve(scopes, 100) for _ in range(20)))
+    assert sum(d.admitted for d in decisions) == 5
+
+
+# --- a real Redis ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "redis-server is not installed; the Redis limit tests need a real server "
+            "(Debian: apt-get install -y redis-server)"
+        )
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    pytest.fail("redis-server did not start")
+
+
+@pytest.fixture
+def redis_port() -> Iterator[int]:
+    port = _free_port()
+    proc = start_redis(port)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+async def test_redis_burst_of_20_admits_exactly_5_across_two_gateways(redis_port: int) -> None:
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    # Two limiters = two gateway replicas sharing one window.
+    one, two = RedisLimiter(url), RedisLimiter(url)
+    scopes = _scope(tokens_per_minute=500)
+    try:
+        decisions = await asyncio.gather(
+            *(limiter.reserve(scopes, 100) for limiter in [one, two] * 10)
+        )
+        admitted = [d for d in decisions if d.admitted]
+        assert len(admitted) == 5
+        assert all(d.retry_after_s > 0 for d in decisions if not d.admitted)
+        # Settlement gives back what was not used: 5 x 80 unused -> 4 more fit.
+        for decision in admitted:
+            assert decision.reservation is not None
+            await decision.reservation.limiter.settle(decision.reservation, 20)
+        again = await asyncio.gather(*(one.reserve(scopes, 100) for _ in range(6)))
+        assert sum(d.admitted for d in again) == 4
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_redis_concurrency_slots_are_released(redis_port: int) -> None:
+    limiter = RedisLimiter(f"redis://127.0.0.1:{redis_port}/0")
+    scopes = _scope(max_concurrent=2)
+    try:
+        a, b = await limiter.reserve(scopes, 1), await limiter.reserve(scopes, 1)
+        assert a.admitted and b.admitted
+        assert (await limiter.reserve(scopes, 1)).exceeded == "max_concurrent"
+        assert a.reservation is not None
+        await limiter.settle(a.reservation, 1)
+        assert (await limiter.reserve(scopes, 1)).admitted
+    finally:
+        await limiter.close()
+
+
+async def test_redis_down_falls_back_to_per_replica_limits_and_recovers() -> None:
+    port = _free_port()
+    errors: list[str] = []
+    limiter = FailoverLimiter(
+        RedisLimiter(f"redis://127.0.0.1:{port}/0", timeout_s=0.2),
+        LocalLimiter(),
+        share=0.5,  # two gateway replicas: each enforces half while Redis is away
+        on_error=errors.append,
+        min_backoff_s=0.05,
+        max_backoff_s=0.05,
+    )
+    scopes = _scope(requests_per_minute=10)
+    try:
+        # Nothing listens on the port: served by the local fallback with half the limit.
+        decisions = [await limiter.reserve(scopes, 1) for _ in range(7)]
+        assert limiter.degraded and errors
+        assert sum(d.admitted for d in decisions) == 5
+        proc = start_redis(port)
+        try:
+            await asyncio.sleep(0.1)  # past the back-off
+            decision = await limiter.reserve(scopes, 1)
+            assert decision.admitted and not limiter.degraded
+            assert decision.reservation is not None
+            assert decision.reservation.limiter is limiter.primary
+            # The full shared limit applies again (10, of which 1 used).
+            more = [await limiter.reserve(scopes, 1) for _ in range(10)]
+            assert sum(d.admitted for d in more) == 9
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    finally:
+        await limiter.close()

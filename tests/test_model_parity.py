@@ -1,0 +1,171 @@
+"""Our model on the SmolLM2 GGUF against transformers' own GGUF loading: same greedy tokens."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from servefleet.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from servefleet.engine.model.builtin import resolve_builtin
+from servefleet.engine.model.llama import LlamaForCausalLM, allocate_kv_cache
+from servefleet.engine.model.loader import LoadedModel, load_model
+
+NEW_TOKENS = 32
+BLOCK_SIZE = 16
+
+
+def greedy_generate(
+    model: LlamaForCausalLM, prompt: list[int], max_new: int, eos: set[int]
+) -> list[int]:
+    """One sequence through the paged path: a single prefill span, then decode steps.
+
+    Blocks are handed out in a shuffled order so that the block table really is used.
+    """
+    total = len(prompt) + max_new
+    num_blocks = math.ceil(total / BLOCK_SIZE) + 1
+    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    block_table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
+
+    def slots(positions: torch.Tensor) -> torch.Tensor:
+        return block_table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+
+    positions = torch.arange(len(prompt))
+    span = PrefillSpan(
+        start=0,
+        end=len(prompt),
+        num_cached=0,
+        block_table=block_table[: math.ceil(len(prompt) / BLOCK_SIZE)],
+    )
+    meta = AttentionMetadata(slot_mapping=slots(positions), block_size=BLOCK_SIZE, prefills=[span])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(prompt), positions, kv_caches, meta)
+        logits = model.compute_logits(hidden[-1:])
+        out: list[int] = []
+        while True:
+            token = int(logits.argmax(-1))
+            out.append(token)
+            if token in eos or len(out) == max_new:
+                return out
+            position = torch.tensor([len(prompt) + len(out) - 1])
+            context = int(position) + 1
+            meta = AttentionMetadata(
+                slot_mapping=slots(position),
+                block_size=BLOCK_SIZE,
+                num_decodes=1,
+                decode_block_tables=block_table[None, : math.ceil(context / BLOCK_SIZE)].int(),
+                decode_context_lens=torch.tensor([context], dtype=torch.int32),
+            )
+            hidden = model(torch.tensor([out[-1]]), position, kv_caches, meta)
+            logits = model.compute_logits(hidden)
+
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three prime numbers."},
+    ],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
+    [{"role": "user", "content": "def fibonacci(n):\n    # complete this Python function"}],
+    [{"role": "user", "content": "Explain photosynthesis to a five year old."}],
+]
+RAW_PROMPTS = ["Once upon a time, in a small village", "The three laws of thermodynamics are"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread() -> Iterator[None]:
+    """Shared 2-core CI machines: one intra-op thread avoids OpenMP spin contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    cache = tmp_path_factory.mktemp("cache")
+    return load_model("smollm2-135m-instruct", torch.float32, "cpu", cache_root=cache)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[object, object]:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    path: Path = resolve_builtin("smollm2-135m-instruct")
+    kwargs = {"gguf_file": path.name}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), dtype=torch.float32, **kwargs
+    )
+    return model.eval(), tokenizer
+
+
+def _prompts(tokenizer: object) -> list[list[int]]:
+    texts = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)  # type: ignore[attr-defined]
+        for m in PROMPTS
+    ]
+    return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts + RAW_PROMPTS]  # type: ignore[attr-defined]
+
+
+def test_greedy_tokens_match_transformers(
+    ours: LoadedModel, reference: tuple[object, object]
+) -> None:
+    hf_model, hf_tokenizer = reference
+    eos = set(ours.tokenizer.eos_token_ids)
+    prompts = _prompts(hf_tokenizer)
+    assert len(prompts) >= 8
+    for prompt in prompts:
+        mine = greedy_generate(ours.model, prompt, NEW_TOKENS, eos)
+        with torch.inference_mode():
+            generated = hf_model.generate(  # type: ignore[attr-defined]
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=sorted(eos),
+                pad_token_id=sorted(eos)[0],
+            )
+        theirs = generated[0, len(prompt) :].tolist()
+        assert mine == theirs, hf_tokenizer.decode(prompt)  # type: ignore[attr-defined]
+
+
+def test_prefill_logits_match_transformers(
+    ours: LoadedModel, reference: tuple[object, object]
+) -> None:
+    hf_model, hf_tokenizer = reference
+    prompt = _prompts(hf_tokenizer)[0]
+    kv = allocate_kv_cache(ours.config, 4, BLOCK_SIZE, torch.float32, "cpu")
+    table = torch.tensor([2, 0, 3, 1])
+    positions = torch.arange(len(prompt))
+    meta = AttentionMetadata(
+        slot_mapping=table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
+        block_size=BLOCK_SIZE,
+        prefills=[PrefillSpan(0, len(prompt), 0, table[: math.ceil(len(prompt) / BLOCK_SIZE)])],
+    )
+    with torch.inference_mode():
+        mine = ours.model.compute_logits(ours.model(torch.tensor(prompt), positions, kv, meta))
+        theirs = hf_model(torch.tensor([prompt])).logits[0].float()  # type: ignore[operator]
+    torch.testing.assert_close(mine, theirs, atol=2e-3, rtol=1e-3)
+
+
+def test_paged_attention_impl_is_used_by_every_layer(ours: LoadedModel) -> None:
+    calls: list[int] = []
+
+    class CountingAttention(PagedAttention):
+        def __call__(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+            calls.append(q.shape[0])
+            return super().__call__(q, k, v, k_cache, v_cache, meta, scale)
+
+    ours.model.set_attention(CountingAttention())
+    try:
+        greedy_generate(ours.model, [1, 4093, 198, 6004], 2, set())
+    finally:
+        ours.model.set_attention(PagedAttention())
+    assert calls == [4] * ours.config.num_layers + [1] * ours.config.num_layers

@@ -1,0 +1,126 @@
+"""The reconcile loop's contract with the API, against an in-memory recorder of calls.
+
+The real API server path is proven in e2e/; this pins down what is cheap to get wrong:
+every child applied with our field manager, status written once, no rewrite when
+nothing changed, Events only on transitions, and apply failures surfacing as Degraded.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kopf
+import pytest
+
+from servefleet.api import LLMDeployment
+from servefleet.operator.handlers import OperatorSettings, Reconciler, plain
+from servefleet.operator.kube import KubeError
+from servefleet.operator.status import EventSpec
+
+
+class RecordingClient:
+    def __init__(self, fail_kind: str | None = None) -> None:
+        self.applied: list[tuple[dict[str, Any], str]] = []
+        self.status_patches: list[dict[str, Any]] = []
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.fail_kind = fail_kind
+        self.listed: list[dict[str, Any]] = []
+
+    async def apply(self, obj: dict[str, Any], field_manager: str) -> dict[str, Any]:
+        if obj["kind"] == self.fail_kind:
+            raise KubeError(403, f"{obj['kind']} is forbidden")
+        self.applied.append((obj, field_manager))
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+        return obj
+
+    async def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str
+    ) -> dict[str, Any] | None:
+        return self.objects.get((kind, name))
+
+    async def patch_status(
+        self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        self.status_patches.append(copy.deepcopy(patch))
+        return patch
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str | None
+    ) -> list[dict[str, Any]]:
+        return self.listed
+
+    async def has_api(self, group_version: str, plural: str) -> bool:
+        return False
+
+
+def dep(status: dict[str, Any] | None = None) -> LLMDeployment:
+    return LLMDeployment.model_validate(
+        {
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 2},
+            "spec": {"model": {"name": "m", "source": {"builtin": "b"}}},
+            "status": status or {},
+        }
+    )
+
+
+def reconciler(client: RecordingClient, events: list[EventSpec]) -> Reconciler:
+    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw:8080/")
+    return Reconciler(client, settings, post_event=lambda target, event: events.append(event))  # type: ignore[arg-type]
+
+
+async def test_reconcile_applies_children_and_writes_status_once() -> None:
+    client, events = RecordingClient(), list[EventSpec]()
+    r = reconciler(client, events)
+    await r.reconcile(dep())
+    assert [(o["kind"], m) for o, m in client.applied] == [
+        ("ConfigMap", "servefleet-operator"),
+        ("Service", "servefleet-operator"),
+        ("Deployment", "servefleet-operator"),
+        ("PodDisruptionBudget", "servefleet-operator"),
+    ]
+    (patch,) = client.status_patches
+    assert patch["status"]["observedGeneration"] == 2
+    assert patch["status"]["endpoint"] == "http://gw:8080/v1"
+    assert [(e.type, e.reason) for e in events] == [
+        ("Normal", "WarmPoolNotReady"),
+        ("Normal", "ScalingUp"),
+    ]
+
+    # Same cluster state, status as written: nothing new to write or announce.
+    written = dep(status=patch["status"])
+    events.clear()
+    await r.reconcile(written)
+    assert len(client.status_patches) == 1
+    assert events == []
+    assert len(client.applied) == 8  # applied again (drift repair), idempotent by design
+
+
+async def test_apply_failure_is_degraded_and_retried() -> None:
+    client, events = RecordingClient(fail_kind="Deployment"), list[EventSpec]()
+    with pytest.raises(kopf.TemporaryError, match="Deployment m-engine: Deployment is forbidden"):
+        await reconciler(client, events).reconcile(dep())
+    degraded = next(
+        c for c in client.status_patches[0]["status"]["conditions"] if c["type"] == "Degraded"
+    )
+    assert (degraded["status"], degraded["reason"]) == ("True", "ReconcileError")
+    assert ("Warning", "ReconcileError") in [(e.type, e.reason) for e in events]
+
+
+def test_plain_turns_views_into_dicts() -> None:
+    body = kopf.Body({"metadata": {"name": "x"}, "spec": {"a": [{"b": 1}]}})
+    assert plain(body) == {"metadata": {"name": "x"}, "spec": {"a": [{"b": 1}]}}
+    assert type(plain(body)["spec"]) is dict
+
+
+async def test_drift_repair_pass_visits_live_objects_only() -> None:
+    client = RecordingClient()
+    live = dep().model_dump(by_alias=True, mode="json")
+    deleting = copy.deepcopy(live)
+    deleting["metadata"].update(name="gone", deletionTimestamp="2025-01-01T00:00:00Z")
+    invalid = copy.deepcopy(live)
+    invalid["metadata"]["name"] = "bad"
+    invalid["spec"]["pool"] = {"minReplicas": 3, "maxReplicas": 1}
+    client.listed = [live, deleting, invalid]
+    assert await reconciler(client, []).resync_once() == 3
+    assert {o["metadata"]["name"] for o, _ in client.applied} == {"m-engine", "m-gateway-route"}

@@ -1,0 +1,250 @@
+"""The operator's pure renderers: the children of an LLMDeployment, as dicts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from servefleet.api import LLMDeployment, load_llmdeployments
+from servefleet.operator import render
+from servefleet.operator.adapters import ADAPTERS, parse_kv_cache_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = Path(__file__).with_name("test_operator_render_snapshot.yaml")
+SETTINGS = render.RenderSettings(
+    engine_image="servefleet:test", gateway_url="http://gw.servefleet.svc:8080"
+)
+
+
+def example() -> LLMDeployment:
+    dep = load_llmdeployments(ROOT / "examples" / "llmdeployment.yaml")[0]
+    return dep.model_copy(
+        update={"metadata": dep.metadata.model_copy(update={"uid": "uid-1", "generation": 1})}
+    )
+
+
+def make(spec: dict[str, Any], name: str = "m1") -> LLMDeployment:
+    return LLMDeployment.model_validate(
+        {"metadata": {"name": name, "namespace": "ns", "uid": "u"}, "spec": spec}
+    )
+
+
+def by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["kind"]: o for o in objs}
+
+
+def test_children_match_the_snapshot() -> None:
+    text = yaml.safe_dump_all(
+        render.children(example(), SETTINGS, with_service_monitor=True), sort_keys=True
+    )
+    if os.environ.get("SERVEFLEET_UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOT.write_text(text)
+    assert text == SNAPSHOT.read_text(), (
+        "children changed: review, then SERVEFLEET_UPDATE_SNAPSHOTS=1"
+    )
+
+
+def test_every_child_is_owned_by_the_cr_and_labelled() -> None:
+    dep = example()
+    objs = render.children(dep, SETTINGS, with_service_monitor=True)
+    assert [o["kind"] for o in objs] == [
+        "ConfigMap",
+        "Service",
+        "Deployment",
+        "PodDisruptionBudget",
+        "ServiceMonitor",
+    ]
+    for obj in objs:
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "servefleet.io/v1alpha1",
+            "kind": "LLMDeployment",
+            "name": "smollm2",
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert obj["metadata"]["namespace"] == "default"
+        assert obj["metadata"]["labels"]["servefleet.io/llmdeployment"] == "smollm2"
+    assert "ServiceMonitor" not in by_kind(
+        render.children(dep, SETTINGS, with_service_monitor=False)
+    )
+
+
+def test_rendering_without_uid_is_refused() -> None:
+    dep = make({"model": {"name": "m", "source": {"builtin": "b"}}}).model_copy()
+    dep.metadata.uid = None
+    with pytest.raises(ValueError, match="has no uid"):
+        render.children(dep, SETTINGS, with_service_monitor=False)
+
+
+def test_engine_deployment_keeps_the_warm_pool_during_rollouts() -> None:
+    deployment = render.engine_deployment(example(), SETTINGS)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    pod = deployment["spec"]["template"]
+    assert (
+        pod["metadata"]["labels"].items() >= deployment["spec"]["selector"]["matchLabels"].items()
+    )
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["servefleet", "engine"]
+    assert container["image"] == "servefleet:test"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert (
+        container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"]
+        >= 900
+    )
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 30 + render.EXIT_GRACE_SECONDS
+    args = container["args"]
+    assert args[args.index("--model") + 1] == "smollm2-135m-instruct"
+    assert args[args.index("--served-model-name") + 1] == "smollm2-135m-instruct"
+    assert args[args.index("--max-num-seqs") + 1] == "16"
+    assert "--no-prefix-caching" not in args
+
+
+def test_replicas_follow_spec_replicas() -> None:
+    dep = make(
+        {
+            "model": {"name": "m", "source": {"builtin": "b"}},
+            "replicas": 3,
+            "pool": {"maxReplicas": 5},
+        }
+    )
+    assert render.engine_deployment(dep, SETTINGS)["spec"]["replicas"] == 3
+
+
+def test_pvc_source_mounts_the_claim_read_only() -> None:
+    dep = make(
+        {
+            "model": {
+                "name": "llama",
+                "source": {"pvc": {"claimName": "models", "path": "llama-3-8b"}},
+            },
+            "engine": {
+                "kind": "vllm",
+                "tensorParallelSize": 2,
+                "resources": {"limits": {"nvidia.com/gpu": 2}},
+                "kvCacheMemory": "0.85",
+                "prefixCaching": False,
+            },
+        }
+    )
+    pod = render.engine_pod_template(dep, SETTINGS)["spec"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in pod["volumes"]
+    (container,) = pod["containers"]
+    assert container["image"] == ADAPTERS["vllm"].default_image
+    args = container["args"]
+    assert args[args.index("--model") + 1] == "/models/llama-3-8b"
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.85"
+    assert "--no-enable-prefix-caching" in args
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_url_source_fetches_before_the_engine_starts() -> None:
+    dep = make(
+        {"model": {"name": "m", "source": {"url": "https://example.com/w/model.Q4_1.gguf?x=1"}}}
+    )
+    pod = render.engine_pod_template(dep, SETTINGS)["spec"]
+    (fetch,) = pod["initContainers"]
+    assert fetch["image"] == "servefleet:test"
+    assert fetch["command"][-2:] == [
+        "https://example.com/w/model.Q4_1.gguf?x=1",
+        "/models/model.Q4_1.gguf",
+    ]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/model.Q4_1.gguf"
+
+
+def test_sglang_adapter_flags_and_port() -> None:
+    dep = make(
+        {
+            "model": {"name": "q", "source": {"pvc": {"claimName": "c"}}},
+            "engine": {
+                "kind": "sglang",
+                "maxNumSeqs": 32,
+                "args": ["--trust-remote-code"],
+                "env": [
+                    {"name": "HF_HOME", "value": "/tmp"},
+                    {"name": "TOKEN", "secretKeyRef": {"name": "s", "key": "k"}},
+                ],
+            },
+        }
+    )
+    container = render.engine_pod_template(dep, SETTINGS)["spec"]["containers"][0]
+    assert container["ports"][0]["containerPort"] == 30000
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health_generate"
+    assert container["args"][-1] == "--trust-remote-code"
+    assert container["args"][container["args"].index("--max-running-requests") + 1] == "32"
+    assert container["env"][1] == {
+        "name": "TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}},
+    }
+    assert render.headless_service(dep)["spec"]["ports"][0]["port"] == 30000
+
+
+def test_headless_service_and_pdb() -> None:
+    dep = example()
+    service = render.headless_service(dep)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == render.selector_labels(dep)
+    assert render.pod_disruption_budget(dep)["spec"]["minAvailable"] == 1
+    zero = make({"model": {"name": "m", "source": {"builtin": "b"}}, "pool": {"minReplicas": 0}})
+    assert render.pod_disruption_budget(zero)["spec"] == {
+        "selector": {"matchLabels": render.selector_labels(zero)},
+        "maxUnavailable": 1,
+    }
+
+
+def test_gateway_route_has_secret_references_never_keys() -> None:
+    configmap = render.gateway_route_configmap(example())
+    assert configmap["metadata"]["labels"][render.LABEL_GATEWAY_ROUTE] == "true"
+    route = yaml.safe_load(configmap["data"]["route.yaml"])
+    assert route["service"] == "smollm2-engine.default.svc"
+    assert route["port"] == 8000
+    assert (
+        route["engine"]["metrics"]["requestsWaiting"]
+        == ADAPTERS["servefleet"].metrics.requests_waiting
+    )
+    assert route["spec"]["tenants"][0]["apiKeySecretRef"] == {
+        "name": "smollm2-demo-key",
+        "key": "api-key",
+    }
+    assert "sk-servefleet" not in configmap["data"]["route.yaml"]
+    assert (
+        LLMDeployment.model_validate(
+            {"metadata": {"name": "x"}, "spec": route["spec"]}
+        ).spec.model.name
+        == "smollm2-135m-instruct"
+    )
+
+
+def test_rendering_is_deterministic() -> None:
+    assert render.children(example(), SETTINGS, True) == render.children(example(), SETTINGS, True)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1024, (1024, None)),
+        ("0.9", (None, 0.9)),
+        ("4Gi", (4 << 30, None)),
+        ("2G", (2 * 10**9, None)),
+        ("1", (None, 1.0)),
+    ],
+)
+def test_kv_cache_memory_parsing(
+    value: int | str, expected: tuple[int | None, float | None]
+) -> None:
+    parsed = parse_kv_cache_memory(value)
+    assert parsed is not None
+    assert (parsed.bytes, parsed.fraction) == expected
