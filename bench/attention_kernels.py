@@ -248,6 +248,7 @@ def main() -> None:
                 for name, kernel in kernels.items()
             }
         )
+    load_before = os.getloadavg()[0]
     timings = time_interleaved(variants, args.repeats, args.warmup, sync)
     median = {name: t.median_ms for name, t in timings.items()}
     best = {name: t.min_ms for name, t in timings.items()}
@@ -256,6 +257,9 @@ def main() -> None:
         "benchmark": "attention_kernels",
         "device": device,
         "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        # a load above cpu_count means other processes shared the cores during the run
+        "load_average_1m": [load_before, os.getloadavg()[0]],
         "cache_dtype": args.cache_dtype,
         "repeats": args.repeats,
         "shape": shape.__dict__,

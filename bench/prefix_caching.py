@@ -132,9 +132,15 @@ def plot(runs: dict[str, BenchRun], result: dict[str, Any], path: Path) -> None:
     ratio = result["ttft_p50_ratio_with_over_without"]
     bars.set_title(f"TTFT p50 with/without = {ratio:.2f}" if ratio else "TTFT")
     bars.legend()
-    for name in names:
-        ttfts = [t * 1000 for r in runs[name].results if (t := r.ttft) is not None]
-        hist.hist(ttfts, bins=30, alpha=0.6, label=name.replace("_", " "))
+    ttfts = {
+        name: [t * 1000 for r in runs[name].results if (t := r.ttft) is not None] for name in names
+    }
+    every = [t for values in ttfts.values() for t in values]
+    if every:  # shared bins, so the two distributions compare bar for bar
+        lo, hi = min(every), max(every)
+        bins = [lo + (hi - lo) * i / 30 for i in range(31)] if hi > lo else 1
+        for name, values in ttfts.items():
+            hist.hist(values, bins=bins, alpha=0.6, label=name.replace("_", " "))
     hist.set_xlabel("TTFT (ms)")
     hist.set_ylabel("requests")
     hist.set_title("TTFT distribution")

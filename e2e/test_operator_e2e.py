@@ -126,7 +126,7 @@ def test_example_reconciles_children_status_and_columns(
     service = kube.get("service", "smollm2-engine", namespace)
     assert service is not None and service["spec"]["clusterIP"] == "None"
     route = kube.get("configmap", "smollm2-gateway-route", namespace)
-    assert route is not None and "smollm2-engine." in route["data"]["route.yaml"]
+    assert route is not None and "name: smollm2-engine" in route["data"]["gateway.yaml"]
     assert "sk-servefleet" not in json.dumps(route)
 
     # Defaults from the CRD schema are stored.

@@ -112,7 +112,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(smollm2, prompts) -> None:
 
         async def go() -> tuple[list[int], list[list[int]], list[int]]:
             solo = await generate(built, prompts[0], params)
-            crowd = await generate_all(built, [prompts[0]] + prompts[1:8], params)
+            crowd = await generate_all(built, [prompts[0], *prompts[1:8]], params)
             other_seed = SamplingParams(
                 max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99
             )

@@ -92,7 +92,9 @@ def test_every_quantizable_type_round_trips_through_the_loader(
     weights = read_gguf_weights(reader, config)
 
     # Un-permuted back to HF order, exactly (F32) or to f16 precision.
-    torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(q))
+    torch.testing.assert_close(
+        weights["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(q)
+    )
     torch.testing.assert_close(
         weights["model.layers.0.self_attn.k_proj.weight"],
         torch.from_numpy(k.astype(np.float16).astype(np.float32)),

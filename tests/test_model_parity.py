@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -159,7 +159,16 @@ def test_paged_attention_impl_is_used_by_every_layer(ours: LoadedModel) -> None:
     calls: list[int] = []
 
     class CountingAttention(PagedAttention):
-        def __call__(self, q, k, v, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        def __call__(
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            k_cache: torch.Tensor,
+            v_cache: torch.Tensor,
+            meta: AttentionMetadata,
+            scale: float,
+        ) -> torch.Tensor:
             calls.append(q.shape[0])
             return super().__call__(q, k, v, k_cache, v_cache, meta, scale)
 

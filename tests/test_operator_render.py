@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from servefleet.api import LLMDeployment, load_llmdeployments
+from servefleet.api.gateway_config import GatewayConfig
 from servefleet.operator import render
 from servefleet.operator.adapters import ADAPTERS, parse_kv_cache_memory
 
@@ -205,27 +206,23 @@ def test_headless_service_and_pdb() -> None:
     }
 
 
-def test_gateway_route_has_secret_references_never_keys() -> None:
+def test_gateway_route_is_a_gateway_config_with_secret_references_only() -> None:
     configmap = render.gateway_route_configmap(example())
     assert configmap["metadata"]["labels"][render.LABEL_GATEWAY_ROUTE] == "true"
-    route = yaml.safe_load(configmap["data"]["route.yaml"])
-    assert route["service"] == "smollm2-engine.default.svc"
-    assert route["port"] == 8000
-    assert (
-        route["engine"]["metrics"]["requestsWaiting"]
-        == ADAPTERS["servefleet"].metrics.requests_waiting
-    )
-    assert route["spec"]["tenants"][0]["apiKeySecretRef"] == {
-        "name": "smollm2-demo-key",
-        "key": "api-key",
-    }
-    assert "sk-servefleet" not in configmap["data"]["route.yaml"]
-    assert (
-        LLMDeployment.model_validate(
-            {"metadata": {"name": "x"}, "spec": route["spec"]}
-        ).spec.model.name
-        == "smollm2-135m-instruct"
-    )
+    config = GatewayConfig.model_validate(yaml.safe_load(configmap["data"]["gateway.yaml"]))
+    (deployment,) = config.deployments
+    assert deployment.model == "smollm2-135m-instruct"
+    assert deployment.service is not None
+    assert (deployment.service.namespace, deployment.service.name) == ("default", "smollm2-engine")
+    assert deployment.pool.max_replicas == 3 and deployment.admission.max_queue_depth == 64
+    (tenant,) = config.tenants
+    source = tenant.api_keys[0].source
+    assert source is not None
+    assert source.file == "/etc/servefleet/secrets/default/smollm2-demo-key/api-key"
+    assert "sk-servefleet" not in str(configmap)
+    engine = yaml.safe_load(configmap["data"]["engine.yaml"])
+    assert engine["metrics"]["requestsWaiting"] == ADAPTERS["servefleet"].metrics.requests_waiting
+    assert engine["port"] == 8000
 
 
 def test_rendering_is_deterministic() -> None:

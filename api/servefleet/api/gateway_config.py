@@ -140,6 +140,11 @@ class GatewayDeployment(ConfigModel):
     )
     service: ServiceRef | None = Field(default=None, description="EndpointSlices to watch.")
     block_size: int = Field(default=16, ge=1, description="Engine KV block size, for affinity.")
+    tokenizer: str | None = Field(
+        default=None,
+        description="Model source (built-in name, GGUF file, HF folder) whose tokenizer counts "
+        "prompt tokens at admission; the fast estimate is used when unset or not available.",
+    )
     pool: PoolSpec = Field(default_factory=PoolSpec)
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
     tenants: list[TenantAccess] = Field(default_factory=list)
@@ -307,6 +312,8 @@ def render_gateway_config(
                 endpoints=list(endpoints.get(dep.name, [])),
                 service=(services or {}).get(dep.name),
                 block_size=spec.engine.block_size,
+                # Built-in models ship with the gateway's image too; other sources do not.
+                tokenizer=spec.model.source.builtin,
                 pool=spec.pool,
                 admission=spec.admission,
                 tenants=access,

@@ -130,17 +130,27 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests accepted but not yet running, including those not yet seen by the loop."""
+        return max(len(self.scheduler.waiting), self.num_in_flight - len(self.scheduler.running))
 
     # ---- asyncio side -----------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[SequenceOutput]]:
-        """Yield each step's outputs for this request until all its choices finish."""
+    def generate(self, request: EngineRequest) -> AsyncIterator[list[SequenceOutput]]:
+        """Queue the request now (so admission sees it at once); iterate for its outputs.
+
+        Each item holds one step's outputs for this request; iteration ends when all its
+        choices finish. Closing the iterator early aborts the request.
+        """
         if self.fatal_error is not None:
             raise EngineDeadError(str(self.fatal_error))
         sink = _RequestSink(asyncio.get_running_loop())
         self.num_in_flight += 1
         self._inbox.put((request, sink))
         self._wakeup.set()
+        return self._outputs(request, sink)
+
+    async def _outputs(
+        self, request: EngineRequest, sink: _RequestSink
+    ) -> AsyncIterator[list[SequenceOutput]]:
         remaining = request.n
         try:
             while remaining:
@@ -173,7 +183,6 @@ class Engine:
             log.exception("engine loop died")
             self.fatal_error = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
-            raise
 
     def _drain_inbox(self) -> None:
         while True:

@@ -285,9 +285,10 @@ async def _collect(
 ) -> list[list[SequenceOutput]]:
     """All outputs of a non-streaming request; aborts it if the client goes away."""
     steps: list[list[SequenceOutput]] = []
+    outputs = state.engine.generate(engine_request)
 
     async def consume() -> None:
-        async for outs in state.engine.generate(engine_request):
+        async for outs in outputs:
             steps.append(outs)
 
     async def disconnected() -> None:
@@ -455,6 +456,8 @@ def _stream(
         _chat_logprobs if chat else _completion_logprobs
     )
 
+    outputs = state.engine.generate(req)
+
     async def events() -> AsyncIterator[bytes]:
         prompt_tokens = cached = 0
         completion = [0] * req.n
@@ -470,7 +473,7 @@ def _stream(
                         for i in range(req.n)
                     ]
                 )
-            async for outs in state.engine.generate(req):
+            async for outs in outputs:
                 choices = []
                 for o in outs:
                     prompt_tokens, cached = o.num_prompt_tokens, o.num_cached_tokens

@@ -48,6 +48,7 @@ from servefleet.gateway.proxy import (
     usage_from_json,
 )
 from servefleet.gateway.queueing import TrafficClass
+from servefleet.gateway.spill_budget import RedisSpillBudget
 from servefleet.gateway.upstream import (
     UpstreamError,
     UpstreamPool,
@@ -186,6 +187,7 @@ class Gateway:
         self._models_body: dict[str, bytes] = {}
         self._build_routes()
         self.limiter = limiter if limiter is not None else self._make_limiter()
+        self._share_spill_budgets()
         self._spill_targets: dict[
             str, tuple[str, str, float]
         ] = {}  # deployment -> (base, auth, timeout)
@@ -267,10 +269,37 @@ class Gateway:
             on_error=on_error,
         )
 
+    def _share_spill_budgets(self) -> None:
+        """With Redis, every gateway replica takes spill-overs from one bucket per deployment."""
+        redis = self.config.redis
+        limiter = self.limiter
+        if redis is None or not isinstance(limiter, FailoverLimiter):
+            return
+        for pool in self.pools.values():
+            spill = pool.config.spillover
+            if spill is None:
+                continue
+            pool.spill_budget = RedisSpillBudget(
+                limiter.primary.client,
+                f"{redis.key_prefix}:spill:{{{pool.name}}}",
+                spill.max_requests_per_minute,
+                share=1.0 / redis.gateway_replicas,
+                on_error=self._redis_failed,
+                clock=self._clock,
+            )
+
+    def _redis_failed(self, operation: str) -> None:
+        self.metrics.redis_errors.labels(operation).inc()
+
     async def start(self) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=2.0, trust_env=False)
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="gateway-probes"))
+        for pool in self.pools.values():
+            if pool.config.tokenizer is not None and pool.token_counter is None:
+                self._tasks.append(
+                    asyncio.create_task(self._load_tokenizer(pool), name=f"tokens-{pool.name}")
+                )
         for deployment in self.config.deployments:
             if deployment.service is not None:
                 self._tasks.append(
@@ -291,6 +320,24 @@ class Gateway:
             self._client = None
         self._upstream.close()
         await self.limiter.close()
+
+    async def _load_tokenizer(self, pool: DeploymentPool) -> None:
+        """Exact prompt counts once the tokenizer is loaded; the estimate until then."""
+        source = pool.config.tokenizer
+        assert source is not None
+        try:
+            from servefleet.gateway.token_counter import load_token_counter
+
+            pool.token_counter = await asyncio.to_thread(load_token_counter, source)
+        except Exception as exc:  # not available here: the fast estimate stays
+            log.warning(
+                "deployment %s: tokenizer %s not loaded (%s); prompt tokens are estimated",
+                pool.name,
+                source,
+                exc,
+            )
+        else:
+            log.info("deployment %s: counting prompt tokens with %s", pool.name, source)
 
     async def _watch(self, deployment: GatewayDeployment) -> None:
         assert deployment.service is not None
@@ -486,16 +533,23 @@ class Gateway:
             raise model_not_found(str(model))
         m = route.metrics
         pool = route.pool
+        counter = pool.token_counter
+        exact: int | None = None
         if chat:
             assert isinstance(request, ChatCompletionRequest)
             shape = route.reader.chat(parsed["messages"])
             max_tokens = request.max_completion_tokens or request.max_tokens
+            if counter is not None:
+                exact = counter.chat(parsed["messages"])
         else:
             assert isinstance(request, CompletionRequest)
             shape = route.reader.completion(request.prompt)
             max_tokens = request.max_tokens
+            if counter is not None:
+                exact = counter.completion(request.prompt)
+        prompt_tokens = shape.estimated_tokens if exact is None else exact
         completion = max_tokens or pool.config.default_max_tokens
-        tokens = shape.estimated_tokens + completion * request.n
+        tokens = prompt_tokens + completion * request.n
         wants_usage = bool(request.stream_options and request.stream_options.include_usage)
 
         reservation: Reservation | None = None
@@ -536,7 +590,7 @@ class Gateway:
             parsed,
             request.stream,
             wants_usage,
-            shape.estimated_tokens,
+            prompt_tokens,
             tokens,
             shape.affinity_key,
             started,
@@ -565,7 +619,9 @@ class Gateway:
         lease: Lease | None = None
         if decision.action is Action.SERVE:
             lease = pool.dispatch_now(call.affinity_key, call.tokens)
-            m.queue_wait.observe(0.0)
+            if lease is not None:
+                m.queue_wait.observe(0.0)
+                pool.record_queue_wait(0.0)
         if decision.action is Action.QUEUE or (decision.action is Action.SERVE and lease is None):
             try:
                 lease, waited = await pool.wait_for_slot(
@@ -581,9 +637,10 @@ class Gateway:
                 await self._shed(send, call, shed.retry_after_s, shed.reason)
                 return
             m.queue_wait.observe(waited)
+            pool.record_queue_wait(waited)
         if decision.action is Action.SPILL:
             budget = pool.spill_budget
-            if budget is not None and budget.take():
+            if budget is not None and await budget.take():
                 self.metrics.spillovers.labels(pool.model, decision.reason).inc()
                 await self._spill(call, send, receive)
                 return
@@ -619,6 +676,7 @@ class Gateway:
             await self._shed(send, call, shed.retry_after_s, shed.reason)
             return
         route.metrics.queue_wait.observe(waited)
+        route.pool.record_queue_wait(waited)
         await self._serve_pool(call, lease, send, receive)
 
     async def _shed(self, send: Send, call: Call, retry_after_s: float, reason: str) -> None:
@@ -810,7 +868,7 @@ class Gateway:
                 return status < 500
             call.used = usage_from_json(body)
             call.first_byte = True
-            m.ttft.observe(self._clock() - call.started)
+            self._observe_ttft(call, spill)
             await _respond(send, 200, body, headers=headers[1:], content_type=headers[0][1])
             self._count_ok(call, spill)
             return True
@@ -826,7 +884,7 @@ class Gateway:
                 if out:
                     if not call.first_byte:
                         call.first_byte = True
-                        m.ttft.observe(self._clock() - call.started)
+                        self._observe_ttft(call, spill)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 if gone.done():
                     break  # the client left: closing the upstream aborts the generation
@@ -853,6 +911,12 @@ class Gateway:
         else:
             m.outcome["upstream_error"].inc()
         return completed
+
+    def _observe_ttft(self, call: Call, spill: bool) -> None:
+        ttft = self._clock() - call.started
+        call.route.metrics.ttft.observe(ttft)
+        if not spill:  # the pool's own TTFT is what its autoscaler acts on
+            call.route.pool.record_ttft(ttft)
 
     @staticmethod
     def _count_ok(call: Call, spill: bool) -> None:

@@ -426,6 +426,11 @@ class RedisLimiter:
         self._settle = self._client.register_script(SETTLE_LUA)
         self._keys_cache: dict[tuple[str, int], list[str]] = {}
 
+    @property
+    def client(self) -> Any:
+        """The Redis connection pool, for other shared counters (the spill-over cap)."""
+        return self._client
+
     def _keys(self, scopes: Sequence[LimitScope], day: int) -> list[str]:
         keys: list[str] = []
         for scope in scopes:

@@ -13,12 +13,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
 from servefleet.gateway.admission import Decision, PoolView, SpillRule, decide
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
 from servefleet.gateway.routing import Replica, ReplicaSet, ReplicaState
+from servefleet.gateway.spill_budget import LocalSpillBudget, SpillBudget
+
+if TYPE_CHECKING:  # the tokenizer is optional and loaded lazily
+    from servefleet.gateway.token_counter import PromptTokenCounter
 
 
 class Shed(Exception):
@@ -54,32 +58,28 @@ class Ewma:
         self.samples += 1
 
 
-class SpillBudget:
-    """Per-deployment cap on spilled requests per minute (a token bucket in this replica)."""
+class LatencyWindow:
+    """Recent latencies (queue wait, TTFT) for a percentile the autoscaler can act on.
 
-    def __init__(self, per_minute: int, clock: Callable[[], float]) -> None:
-        self.per_minute = per_minute
-        self._clock = clock
-        self._level = float(per_minute)
-        self._stamp = clock()
+    A time window, not a histogram since start: the autoscaler needs what users see now.
+    """
 
-    def _refill(self) -> None:
-        now = self._clock()
-        self._level = min(
-            float(self.per_minute), self._level + (now - self._stamp) * self.per_minute / 60.0
-        )
-        self._stamp = now
+    def __init__(self, window_s: float = 60.0, max_samples: int = 4096) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
 
-    def available(self) -> bool:
-        self._refill()
-        return self._level >= 1.0
+    def add(self, now: float, seconds: float) -> None:
+        self._samples.append((now, seconds))
 
-    def take(self) -> bool:
-        self._refill()
-        if self._level < 1.0:
-            return False
-        self._level -= 1.0
-        return True
+    def percentile(self, now: float, q: float) -> float | None:
+        """The q-quantile (nearest rank) of the samples in the window; None without any."""
+        samples = self._samples
+        while samples and samples[0][0] < now - self.window_s:
+            samples.popleft()
+        if not samples:
+            return None
+        ordered = sorted(v for _, v in samples)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class DeploymentPool:
@@ -108,9 +108,13 @@ class DeploymentPool:
         self.cold_start = Ewma(config.cold_start_seconds)
         self._completions: deque[float] = deque()
         self._seen_starting: set[str] = set()
+        self.token_counter: PromptTokenCounter | None = None  # set once loaded (optional)
+        self.queue_waits = LatencyWindow()
+        self.ttfts = LatencyWindow()
         spill = config.spillover
-        self.spill_budget = (
-            SpillBudget(spill.max_requests_per_minute, clock) if spill is not None else None
+        # Replaced by a Redis-shared budget when the gateway has Redis (see spill_budget).
+        self.spill_budget: SpillBudget | None = (
+            LocalSpillBudget(spill.max_requests_per_minute, clock) if spill is not None else None
         )
         self._spill_tenants = frozenset(spill.tenants) if spill is not None else frozenset()
         self._on_change = on_change or (lambda _pool: None)
@@ -332,6 +336,12 @@ class DeploymentPool:
             self.replicas.record_success(lease.replica)
         self.pump()
 
+    def record_queue_wait(self, seconds: float) -> None:
+        self.queue_waits.add(self._clock(), seconds)
+
+    def record_ttft(self, seconds: float) -> None:
+        self.ttfts.add(self._clock(), seconds)
+
     # -- reporting ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         now = self._clock()
@@ -347,6 +357,10 @@ class DeploymentPool:
             "completions_per_second": self.completions_per_second(now),
             "mean_service_seconds": self.service_time.value,
             "cold_start_seconds": self.cold_start.value,
+            # Over the last minute; None when nothing was measured in it.
+            "queue_wait_p90_seconds": self.queue_waits.percentile(now, 0.9),
+            "ttft_p90_seconds": self.ttfts.percentile(now, 0.9),
+            "prompt_token_count": "estimate" if self.token_counter is None else "tokenizer",
             "ready_replicas": self.replicas.ready_count(now),
             "replicas": [
                 {

@@ -5,6 +5,9 @@ gets a start tag `max(virtual time, tenant's last finish)` and a finish tag `sta
 weight`; the smallest start tag goes next and the virtual time follows the start tags served.
 A tenant that floods the queue only pushes its *own* tags into the future, so a light
 tenant's request is served after roughly its fair share of work, not after the whole flood.
+A tenant returning from idle may start up to `burst_credit` requests behind the virtual time
+(bounded lag): a light tenant's burst is served at the pool's pace instead of at half of it,
+while anyone continuously backlogged is bound by its own finish tags, so shares do not move.
 Each tenant's tags grow monotonically, so a tenant's backlog is a FIFO and the position of a
 new request is a binary search per backlogged tenant.
 
@@ -61,10 +64,13 @@ class QueueFull(Exception):
 
 
 class FairQueue:
-    def __init__(self, max_depth: int) -> None:
+    def __init__(self, max_depth: int, *, burst_credit: float = 8.0) -> None:
         if max_depth < 0:
             raise ValueError("max_depth must be >= 0")
+        if burst_credit < 0:
+            raise ValueError("burst_credit must be >= 0")
         self.max_depth = max_depth
+        self.burst_credit = burst_credit
         self._lanes = (_Lane(), _Lane())
         self._seq = itertools.count()
 
@@ -86,7 +92,11 @@ class FairQueue:
 
     # -- tags ---------------------------------------------------------------------------
     def _tags(self, lane: _Lane, tenant: str, cost: float, weight: float) -> tuple[float, float]:
-        start = max(lane.virtual_time, lane.last_finish.get(tenant, 0.0))
+        # A tenant back from idle starts up to `burst_credit` requests behind virtual time, so
+        # a short burst from a light tenant is not interleaved 1:1 with a flood; a backlogged
+        # tenant's own last finish tag dominates, so long-run shares are unchanged.
+        floor = lane.virtual_time - self.burst_credit * cost
+        start = max(floor, lane.last_finish.get(tenant, floor))
         return start, start + cost / weight
 
     def ahead_of(

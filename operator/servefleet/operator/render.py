@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from servefleet.api.gateway_config import MountedSecretKeys, ServiceRef, render_gateway_config
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
 from servefleet.operator.adapters import EngineAdapter, adapter_for
 
@@ -24,6 +25,8 @@ LABEL_COMPONENT = "servefleet.io/component"
 LABEL_ENGINE = "servefleet.io/engine"
 LABEL_GATEWAY_ROUTE = "servefleet.io/gateway-route"
 MODEL_MOUNT = "/models"
+# Where the gateway pod finds tenant/spill-over Secret keys: <this>/<namespace>/<secret>/<key>.
+SECRETS_MOUNT = "/etc/servefleet/secrets"
 PROBE_PERIOD_SECONDS = 5
 # Time between SIGKILL and the end of the engine's own drain, for the process to exit.
 EXIT_GRACE_SECONDS = 10
@@ -294,41 +297,53 @@ def service_monitor(dep: LLMDeployment) -> dict[str, Any]:
     }
 
 
-def gateway_route(dep: LLMDeployment) -> dict[str, Any]:
-    """What the gateway needs to serve this deployment: the spec (tenants hold only Secret
-    references, never keys), where the replicas are, and the engine's metric names."""
-    adapter = adapter_for(dep.spec.engine.kind)
-    spec = dep.spec.model_dump(by_alias=True, exclude_none=True, mode="json", exclude={"replicas"})
-    return {
-        "name": dep.name,
-        "namespace": dep.namespace,
-        "model": dep.spec.model.name,
-        "service": f"{engine_name(dep)}.{dep.namespace}.svc",
-        "port": adapter.port,
-        "engine": {
-            "kind": adapter.kind,
-            "metrics": {
-                "requestsWaiting": adapter.metrics.requests_waiting,
-                "requestsRunning": adapter.metrics.requests_running,
-                "kvCacheUsage": adapter.metrics.kv_cache_usage,
-            },
+def gateway_config(dep: LLMDeployment) -> dict[str, Any]:
+    """This deployment's fragment of the gateway config, rendered by the gateway's own
+    `render_gateway_config` (one model for Kubernetes and local mode). Keys stay Secret
+    *references*: files under SECRETS_MOUNT/<namespace>/<secret>/<key>, never values."""
+    config = render_gateway_config(
+        [dep],
+        {},
+        MountedSecretKeys(f"{SECRETS_MOUNT}/{dep.namespace}"),
+        services={
+            dep.name: ServiceRef(namespace=dep.namespace, name=engine_name(dep), port_name="http")
         },
-        "spec": spec,
+    )
+    result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
+    return result
+
+
+def engine_info(dep: LLMDeployment) -> dict[str, Any]:
+    """What the autoscaler needs to read a replica: port, paths and metric names."""
+    adapter = adapter_for(dep.spec.engine.kind)
+    return {
+        "kind": adapter.kind,
+        "port": adapter.port,
+        "metricsPath": adapter.metrics_path,
+        "metrics": {
+            "requestsWaiting": adapter.metrics.requests_waiting,
+            "requestsRunning": adapter.metrics.requests_running,
+            "kvCacheUsage": adapter.metrics.kv_cache_usage,
+        },
     }
 
 
 def gateway_route_configmap(dep: LLMDeployment) -> dict[str, Any]:
-    """The route as a ConfigMap the gateway watches (label servefleet.io/gateway-route=true)."""
+    """The route as a ConfigMap the gateway watches (label servefleet.io/gateway-route=true):
+    `gateway.yaml` is a GatewayConfig fragment, `engine.yaml` the engine's metric names."""
+
     # Sorted keys and a fixed width: re-rendering an unchanged spec gives identical bytes,
     # so server-side apply is a no-op and nothing churns.
-    body = yaml.safe_dump(gateway_route(dep), sort_keys=True, width=100)
+    def dump(value: dict[str, Any]) -> str:
+        return yaml.safe_dump(value, sort_keys=True, width=100)
+
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(
             dep, route_name(dep), {LABEL_COMPONENT: "gateway-route", LABEL_GATEWAY_ROUTE: "true"}
         ),
-        "data": {"route.yaml": body},
+        "data": {"gateway.yaml": dump(gateway_config(dep)), "engine.yaml": dump(engine_info(dep))},
     }
 
 

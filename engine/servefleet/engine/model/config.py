@@ -71,7 +71,8 @@ class ModelConfig(BaseModel):
     rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v
+    output_bias: bool = False  # bias on o_proj (Llama's `attention_bias` covers it; Qwen2's not)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = Field(default_factory=list)
     # Recorded, not enforced: attention runs over the full context.
@@ -104,7 +105,10 @@ class ModelConfig(BaseModel):
             vocab = int(hf["vocab_size"])
         except KeyError as exc:
             raise ModelConfigError(f"config.json lacks required key {exc.args[0]!r}") from exc
+        if hf.get("mlp_bias"):
+            raise ModelConfigError("mlp_bias=true is not supported")
         rope_theta, rope_scaling = _hf_rope(hf)
+        llama_bias = model_type == "llama" and bool(hf.get("attention_bias", False))
         eos = _as_id_list(hf.get("eos_token_id"))
         if generation_config:
             eos += [i for i in _as_id_list(generation_config.get("eos_token_id")) if i not in eos]
@@ -123,7 +127,8 @@ class ModelConfig(BaseModel):
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always carries q/k/v bias; its config has no flag for it.
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            attention_bias=model_type == "qwen2" or llama_bias,
+            output_bias=llama_bias,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
@@ -185,18 +190,11 @@ class ModelConfig(BaseModel):
             max_position_embeddings=int(get(f"{arch_name}.context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
+            output_bias="blk.0.attn_output.bias" in tensor_names,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos,
             sliding_window=get(f"{arch_name}.attention.sliding_window"),
         )
-
-
-class GGUFField(Protocol):
-    def contents(self) -> Any: ...
-
-
-class GGUFTensorInfo(Protocol):
-    name: str
 
 
 class GGUFMetadata(Protocol):

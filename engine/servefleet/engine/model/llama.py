@@ -50,6 +50,7 @@ class DecoderLayer(nn.Module):
             _weight(qkv_out, factory=factory, fill=0.0) if config.attention_bias else None
         )
         self.o_weight = _weight(hidden, config.num_heads * config.head_dim, factory=factory)
+        self.o_bias = _weight(hidden, factory=factory, fill=0.0) if config.output_bias else None
         self.post_attn_norm = _weight(hidden, factory=factory, fill=1.0)
         self.gate_up_weight = _weight(2 * config.intermediate_size, hidden, factory=factory)
         self.down_weight = _weight(hidden, config.intermediate_size, factory=factory)
@@ -74,7 +75,7 @@ class DecoderLayer(nn.Module):
         attn = self.attn_impl(
             qk[:, :heads], qk[:, heads:], v, kv_cache[0], kv_cache[1], meta, self.scale
         )
-        hidden = hidden + F.linear(attn.reshape(num_tokens, heads * hd), self.o_weight)
+        hidden = hidden + F.linear(attn.reshape(num_tokens, heads * hd), self.o_weight, self.o_bias)
         x = F.rms_norm(hidden, self.post_attn_norm.shape, self.post_attn_norm, self.eps)
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, self.down_weight)
@@ -200,6 +201,8 @@ def fuse_hf_weights(
                 [take(f"{hf}self_attn.{p}_proj.bias") for p in ("q", "k", "v")]
             )
         state[ours + "o_weight"] = take(hf + "self_attn.o_proj.weight")
+        if config.output_bias:
+            state[ours + "o_bias"] = take(hf + "self_attn.o_proj.bias")
         state[ours + "gate_up_weight"] = torch.cat(
             [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")]
         )

@@ -18,10 +18,10 @@ from servefleet.engine.model.conversion_cache import (
     read_entry,
     write_entry,
 )
-from servefleet.engine.model.gguf_loader import config_from_gguf, open_gguf, read_gguf_weights
 from servefleet.engine.model.llama import LlamaForCausalLM, fuse_hf_weights
 from servefleet.engine.model.safetensors_loader import (
     config_from_hf_folder,
+    read_json,
     read_safetensors_weights,
 )
 from servefleet.engine.tokenizer import Tokenizer
@@ -97,6 +97,13 @@ def _read_gguf(path: Path, cache_root: Path | None, use_cache: bool) -> Checkpoi
         cached = read_entry(directory)
         if cached is not None:
             return cached
+    # Imported on a cache miss only: `gguf` costs a noticeable share of a warm start.
+    from servefleet.engine.model.gguf_loader import (
+        config_from_gguf,
+        open_gguf,
+        read_gguf_weights,
+    )
+
     reader = open_gguf(path)
     config = config_from_gguf(reader)
     template_field = reader.fields.get("tokenizer.chat_template")
@@ -135,8 +142,6 @@ def hf_chat_template(folder: Path) -> str | None:
     config_path = folder / "tokenizer_config.json"
     if not config_path.is_file():
         return None
-    from servefleet.engine.model.safetensors_loader import read_json
-
     template = read_json(config_path).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

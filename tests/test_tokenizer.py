@@ -1,0 +1,173 @@
+"""Tokenizer built from the SmolLM2 GGUF vs transformers' tokenizer from the same file;
+incremental detokenization; chat template rendering vs `apply_chat_template`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from servefleet.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from servefleet.engine.model.builtin import resolve_builtin
+from servefleet.engine.model.gguf_loader import open_gguf
+from servefleet.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+
+TEXTS = [
+    "Hello world!",
+    "In 2024, 12345 apples cost $3.50 (or €3,20).",
+    "  leading spaces\n\n\ttabs and trailing   ",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
+    "日本語のテキストと中文字符 🤖🎉👩‍👩‍👧 emoji",
+    "def f(x):\n    return x**2  # comment\n",
+    "Ünïcödé façade naïve — “quotes” and ‘single’",
+    "I'm you're they've WE'LL don't",
+    "a\r\nb\rc\u00a0d",
+    "https://example.com/path?q=1&r=two#frag",
+    "   ",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return resolve_builtin("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def fields(gguf_path: Path) -> Any:
+    return open_gguf(gguf_path).fields
+
+
+@pytest.fixture(scope="module")
+def ours(fields: Any) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(fields)
+
+
+@pytest.fixture(scope="module")
+def theirs(gguf_path: Path) -> Any:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_match_transformers(ours: Tokenizer, theirs: Any, text: str) -> None:
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+
+
+def test_special_tokens_and_sizes(ours: Tokenizer, theirs: Any) -> None:
+    assert ours.vocab_size == len(theirs) == 49152
+    assert ours.bos_token_id == theirs.bos_token_id == 1
+    assert ours.eos_token_ids == [theirs.eos_token_id] == [2]
+    assert ours.id_to_token(2) == "<|im_end|>"
+    assert ours.encode("<|im_end|>") == [2]
+    assert ours.encode("hi", add_special_tokens=True) == ours.encode("hi", add_special_tokens=False)
+
+
+def test_round_trip_through_saved_files(ours: Tokenizer, tmp_path: Path) -> None:
+    ours.save(tmp_path)
+    again = Tokenizer.load(tmp_path)
+    for text in TEXTS:
+        assert again.encode(text) == ours.encode(text)
+    assert again.spec == ours.spec
+
+
+def test_gguf_bos_is_added_when_the_file_asks(fields: Any) -> None:
+    decoded = {key: field.contents() for key, field in fields.items() if key.startswith("tok")}
+    decoded["tokenizer.ggml.add_bos_token"] = True
+    with_bos = Tokenizer.from_gguf_fields(decoded)
+    assert with_bos.encode("hi") == [1, *with_bos.encode("hi", add_special_tokens=False)]
+
+
+def test_unsupported_gguf_tokenizer_kind_is_a_clear_error() -> None:
+    with pytest.raises(TokenizerError, match="'llama' is not supported"):
+        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "llama"})
+
+
+def _stream(tokenizer: Tokenizer, text: str, prompt: str = "Say: ") -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt))
+    deltas = [detok.feed(token) for token in tokenizer.encode(text)]
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["日本語のテキスト 🤖🎉👩‍👩‍👧 done", "naïve café — ok", "plain ascii text", "中文字符🎉"],
+)
+def test_incremental_detokenizer_never_splits_characters(ours: Tokenizer, text: str) -> None:
+    deltas = _stream(ours, text)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    # Where a character spans several byte-level tokens, those steps must emit nothing.
+    split = any(
+        "\ufffd" in tokenizer_piece
+        for tokenizer_piece in map(ours.decode, ([t] for t in ours.encode(text)))
+    )
+    assert split == ("🤖" in text or "🎉" in text)
+    if split:
+        assert "" in deltas[:-1]
+
+
+def test_incremental_detokenizer_skips_special_tokens(ours: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(ours)
+    ids = ours.encode("<|im_start|>assistant\nHi!<|im_end|>")
+    assert "".join(detok.feed(i) for i in ids) + detok.flush() == "assistant\nHi!"
+
+
+CHATS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "Hi!"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Ünïcödé 🤖?"},
+    ],
+]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    fields: Any,
+    ours: Tokenizer,
+    theirs: Any,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+) -> None:
+    template = ChatTemplate(fields["tokenizer.chat_template"].contents(), ours.special_tokens_map())
+    mine = template.render(messages, add_generation_prompt=add_generation_prompt)
+    expected = theirs.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    assert mine == expected
+
+
+def test_chatml_fallback_and_template_errors() -> None:
+    rendered = ChatTemplate(None).render([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ChatTemplate(None).source == CHATML_TEMPLATE
+    failing = ChatTemplate("{{ raise_exception('only user turns') }}")
+    with pytest.raises(ChatTemplateError, match="only user turns"):
+        failing.render([{"role": "system", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for %}")
+    sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError):
+        sandboxed.render([{"role": "user", "content": "x"}])
+
+
+def test_template_helpers_like_transformers() -> None:
+    template = ChatTemplate(
+        "{{ tools | tojson }}|{{ strftime_now('%Y') | length }}|{{ bos_token }}",
+        {"bos_token": "<s>"},
+    )
+    out = template.render([], tools=[{"name": "héllo", "x": "<b>"}])
+    assert out == '[{"name": "héllo", "x": "<b>"}]|4|<s>'
