@@ -141,7 +141,9 @@ def _wait_ready(child: Child, deadline: float) -> None:
 def _start(name: str, argv: list[str], url: str, logs: Path) -> Child:
     log = logs / f"{name}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     return Child(name, proc, url, log)
 
 

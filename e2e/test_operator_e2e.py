@@ -11,6 +11,8 @@ import pytest
 import yaml
 from k8s.kubectl import Kube, OperatorProcess, condition, is_ready, wait_for
 
+from servefleet.api.gateway_config import GatewayConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llmdeployment.yaml"
 ENGINE = "servefleet.io/component=engine"
@@ -78,6 +80,13 @@ def test_chart_lints_and_renders(kube: Kube, rendered_chart: Path) -> None:
         for d in yaml.safe_load_all(rendered_chart.read_text())
         if d and d["metadata"]["name"] == "servefleet-operator" and d["kind"] == "Deployment"
     )
+    gateway_cm = next(
+        d
+        for d in yaml.safe_load_all(rendered_chart.read_text())
+        if d and d["kind"] == "ConfigMap" and d["metadata"]["name"] == "servefleet-gateway"
+    )
+    base = GatewayConfig.model_validate(yaml.safe_load(gateway_cm["data"]["gateway.yaml"]))
+    assert base.redis is not None and base.redis.url.startswith("redis://servefleet-redis.")
     version = next(
         line.split('"')[1]
         for line in (ROOT / "pyproject.toml").read_text().splitlines()
@@ -98,7 +107,10 @@ def test_rendered_chart_is_accepted_by_the_api_server(kube: Kube, installed_char
     )
     assert "servefleet-operator" in out
     assert kube.get("deployment", "servefleet-gateway", "servefleet") is not None
-    explain = kube.kubectl("explain", "llmd.spec.pool.minReplicas")
+    # The published OpenAPI of a new CRD trails its Established condition a little.
+    explain = wait_for(
+        "kubectl explain", lambda: kube.kubectl("explain", "llmd.spec.pool.minReplicas")
+    )
     assert "The warm pool" in explain
 
 
@@ -119,9 +131,19 @@ def test_example_reconciles_children_status_and_columns(
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "servefleet:e2e"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-    managers = {
-        m["manager"] for m in deployment["metadata"]["managedFields"] if m["operation"] == "Apply"
-    }
+    managed = json.loads(
+        kube.kubectl(
+            "get",
+            "deployment",
+            "smollm2-engine",
+            "-n",
+            namespace,
+            "-o",
+            "json",
+            "--show-managed-fields",
+        )
+    )["metadata"]["managedFields"]
+    managers = {m["manager"] for m in managed if m["operation"] == "Apply"}
     assert managers == {"servefleet-operator"}
     service = kube.get("service", "smollm2-engine", namespace)
     assert service is not None and service["spec"]["clusterIP"] == "None"
@@ -326,7 +348,15 @@ def test_spec_change_rolls_out_keeping_the_warm_minimum(
         time.sleep(0.5)
         kube.mark_pods_ready(namespace, selector("rolling"), limit=1)
     else:
-        raise AssertionError("rollout did not finish")
+        pods = kube.list("pods", namespace, selector("rolling"))
+        summary = [
+            (p["metadata"]["name"], p["metadata"]["labels"]["pod-template-hash"], is_ready(p))
+            for p in pods
+        ]
+        deployment = kube.get("deployment", "rolling-engine", namespace)
+        raise AssertionError(
+            f"rollout did not finish: pods {summary}, deployment {deployment and deployment['status']}"
+        )
     assert lowest >= 2, f"ready replicas fell to {lowest} during the rollout"
     args = kube.get("deployment", "rolling-engine", namespace)["spec"]["template"]["spec"][
         "containers"

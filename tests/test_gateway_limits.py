@@ -191,3 +191,110 @@ async def test_redis_down_falls_back_to_per_replica_limits_and_recovers() -> Non
             proc.wait(timeout=10)
     finally:
         await limiter.close()
+
+
+# --- the spill-over rate cap ----------------------------------------------------------
+
+
+async def test_spill_cap_is_one_bucket_for_two_gateways_in_redis(redis_port: int) -> None:
+    import redis.asyncio as redis_asyncio
+
+    from servefleet.gateway.spill_budget import RedisSpillBudget
+
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    clients = [redis_asyncio.Redis.from_url(url), redis_asyncio.Redis.from_url(url)]
+    budgets = [RedisSpillBudget(c, "spill:{d}", 3) for c in clients]
+    try:
+        assert all(b.available() for b in budgets)
+        taken = await asyncio.gather(*(b.take() for b in budgets * 4))
+        assert sum(taken) == 3  # 8 attempts from two gateways, 3 per minute for the fleet
+        # Both learned the bucket is empty: admission stops choosing "spill" for a while.
+        assert not any(b.available() for b in budgets)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+async def test_spill_cap_falls_back_to_a_per_replica_share_without_redis() -> None:
+    import redis.asyncio as redis_asyncio
+
+    from servefleet.gateway.spill_budget import RedisSpillBudget
+
+    port = _free_port()
+    client = redis_asyncio.Redis.from_url(
+        f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.2, socket_timeout=0.2
+    )
+    errors: list[str] = []
+    budget = RedisSpillBudget(client, "spill:{d}", 10, share=0.5, on_error=errors.append)
+    try:
+        taken = [await budget.take() for _ in range(7)]
+        assert sum(taken) == 5 and budget.degraded and errors == ["spill"]
+        proc = start_redis(port)
+        try:
+            await asyncio.sleep(1.05)  # past the retry back-off
+            assert await budget.take() and not budget.degraded  # the shared bucket again
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    finally:
+        await client.aclose()
+
+
+def test_two_gateways_sharing_redis_spill_no_more_than_the_cap_over_http(redis_port: int) -> None:
+    import httpx
+
+    from servefleet.api.gateway_config import (
+        ApiKeyRef,
+        GatewayConfig,
+        GatewayDeployment,
+        GatewayTenant,
+        RedisConfig,
+        SecretValueRef,
+        TenantAccess,
+        hash_api_key,
+    )
+    from servefleet.api.llmdeployment import SpilloverSpec
+    from servefleet.gateway.app import Gateway
+    from servefleet.gateway.fake_upstream import FakeBehaviour, FakeOpenAI, serve_in_thread
+
+    hosted = FakeOpenAI(FakeBehaviour(require_key="hosted-key"))
+    with serve_in_thread(hosted) as hosted_url:
+        config = GatewayConfig(
+            redis=RedisConfig(url=f"redis://127.0.0.1:{redis_port}/0", gateway_replicas=2),
+            tenants=[GatewayTenant(name="a", api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))])],
+            deployments=[
+                GatewayDeployment(
+                    name="d",
+                    model="m",
+                    tenants=[TenantAccess(name="a")],
+                    # No replica and a long cold start: every request wants to spill.
+                    cold_start_seconds=600.0,
+                    spillover=SpilloverSpec.model_validate(
+                        {
+                            "enabled": True,
+                            "baseURL": hosted_url + "/v1",
+                            "model": "hosted-m",
+                            "apiKeySecretRef": {"name": "s", "key": "k"},
+                            "maxRequestsPerMinute": 2,
+                        }
+                    ),
+                    spillover_api_key=SecretValueRef(env="HOSTED_KEY"),
+                )
+            ],
+        )
+        environ = {"HOSTED_KEY": "hosted-key"}
+        with (
+            serve_in_thread(Gateway(config, environ=environ)) as one,
+            serve_in_thread(Gateway(config, environ=environ)) as two,
+        ):
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            codes = [
+                httpx.post(
+                    base + "/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": "Bearer key-a"},
+                ).status_code
+                for base in (one, two, one, two, one, two)
+            ]
+    assert codes.count(200) == 2 and codes.count(503) == 4  # 2 per minute for the fleet
+    assert len(hosted.stats.requests) == 2

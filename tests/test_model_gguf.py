@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from servefleet.engine.model.config import ModelConfig
+from servefleet.engine.model.conversion_cache import source_key
 from servefleet.engine.model.gguf_loader import (
     GGUFLoadError,
     config_from_gguf,
@@ -182,3 +183,12 @@ def test_unsupported_type_and_unknown_tensor_are_clear_errors() -> None:
         hf_name("blk.0.attn_qkv.weight")
     assert hf_name("rope_freqs.weight") is None
     assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+
+
+def test_cache_key_follows_the_source_file_identity(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(100))
+    first = source_key(path)
+    assert source_key(path) == first
+    path.write_bytes(b"GGUF" + bytes(99) + b"\x01")
+    assert source_key(path) != first

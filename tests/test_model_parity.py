@@ -12,8 +12,9 @@ import torch
 
 from servefleet.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from servefleet.engine.model.builtin import resolve_builtin
+from servefleet.engine.model.conversion_cache import entry_dir
 from servefleet.engine.model.llama import LlamaForCausalLM, allocate_kv_cache
-from servefleet.engine.model.loader import LoadedModel, load_model
+from servefleet.engine.model.loader import LoadedModel, load_model, read_checkpoint
 
 NEW_TOKENS = 32
 BLOCK_SIZE = 16
@@ -88,9 +89,13 @@ def single_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def ours(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    cache = tmp_path_factory.mktemp("cache")
-    return load_model("smollm2-135m-instruct", torch.float32, "cpu", cache_root=cache)
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def ours(cache_root: Path) -> LoadedModel:
+    return load_model("smollm2-135m-instruct", torch.float32, "cpu", cache_root=cache_root)
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +183,17 @@ def test_paged_attention_impl_is_used_by_every_layer(ours: LoadedModel) -> None:
     finally:
         ours.model.set_attention(PagedAttention())
     assert calls == [4] * ours.config.num_layers + [1] * ours.config.num_layers
+
+
+def test_warm_start_reads_the_converted_cache(ours: LoadedModel, cache_root: Path) -> None:
+    """The fixture converted the GGUF into its cache; a second load must come from there."""
+    entries = list((cache_root / "converted").iterdir())
+    assert len(entries) == 1 and (entries[0] / "meta.json").is_file()
+    again = read_checkpoint("smollm2-135m-instruct", cache_root=cache_root)
+    assert again.config == ours.config and again.name == "smollm2-135m-instruct"
+    assert again.chat_template is not None and "<|im_start|>" in again.chat_template
+    state = ours.model.state_dict()
+    assert set(again.weights) == set(state)
+    for name, tensor in again.weights.items():
+        assert torch.equal(tensor, state[name]), name
+    assert entry_dir(cache_root, resolve_builtin("smollm2-135m-instruct")) == entries[0]

@@ -61,7 +61,8 @@ class LocalSpillBudget:
         return self.take_now()
 
 
-# KEYS[1]: the bucket hash. ARGV: capacity per minute. Returns {taken (0/1), level after}.
+# KEYS[1]: the bucket hash. ARGV: capacity per minute.
+# Returns {taken (0/1), level after, Redis time}.
 TAKE_LUA = """
 local cap = tonumber(ARGV[1])
 local t = redis.call('TIME')
@@ -79,7 +80,7 @@ if l >= 1 then
 end
 redis.call('HSET', KEYS[1], 'l', l, 's', now)
 redis.call('EXPIRE', KEYS[1], 120)
-return {taken, tostring(l)}
+return {taken, tostring(l), tostring(now)}
 """
 
 
@@ -107,8 +108,10 @@ class RedisSpillBudget:
         self._retry_at = 0.0
         self.degraded = False
         # The hint: when the shared bucket was last seen empty, it has a token again after
-        # one refill interval.
+        # one refill interval. Answers may come back out of order (several connections), so
+        # only the latest state by Redis' clock counts.
         self._empty_until = 0.0
+        self._seen_at = float("-inf")
 
     def available(self) -> bool:
         if self.degraded and self._clock() < self._retry_at:
@@ -120,7 +123,7 @@ class RedisSpillBudget:
         if self.degraded and now < self._retry_at:
             return self._fallback.take_now()
         try:
-            taken, level = await self._script(keys=[self._key], args=[self.per_minute])
+            taken, level, at = await self._script(keys=[self._key], args=[self.per_minute])
         except Exception as exc:  # redis raises many types: connection, timeout, response
             self._on_error("spill")
             if not self.degraded:
@@ -134,9 +137,8 @@ class RedisSpillBudget:
         if self.degraded:
             log.warning("redis is back; the spill-over cap is shared again")
             self.degraded = False
-        if int(taken):
-            self._empty_until = 0.0
-            return True
-        missing = max(0.0, 1.0 - float(level))
-        self._empty_until = now + missing * 60.0 / self.per_minute
-        return False
+        if float(at) >= self._seen_at:
+            self._seen_at = float(at)
+            missing = max(0.0, 1.0 - float(level))
+            self._empty_until = now + missing * 60.0 / self.per_minute if missing else 0.0
+        return bool(int(taken))

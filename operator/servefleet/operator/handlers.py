@@ -240,6 +240,9 @@ def build_registry(settings: OperatorSettings, creds: Credentials) -> kopf.Opera
             prefix=API_GROUP, key="last-handled-configuration"
         )
         settings.posting.level = logging.WARNING
+        # kopf would watch CRDs cluster-wide to notice new resources; we know ours,
+        # and least-privilege RBAC should not need to read every CRD in the cluster.
+        settings.scanning.disabled = True
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         settings.networking.request_timeout = 60
