@@ -354,9 +354,8 @@ def test_spec_change_rolls_out_keeping_the_warm_minimum(
             for p in pods
         ]
         deployment = kube.get("deployment", "rolling-engine", namespace)
-        raise AssertionError(
-            f"rollout did not finish: pods {summary}, deployment {deployment and deployment['status']}"
-        )
+        observed = deployment and deployment["status"]
+        raise AssertionError(f"rollout did not finish: pods {summary}, deployment {observed}")
     assert lowest >= 2, f"ready replicas fell to {lowest} during the rollout"
     args = kube.get("deployment", "rolling-engine", namespace)["spec"]["template"]["spec"][
         "containers"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import yaml
 from servefleet.operator.kube import load_credentials, load_kubeconfig, resource_path
 
 
-def write(path: Path, user: dict[str, object], cluster: dict[str, object]) -> Path:
+def write(path: Path, user: Mapping[str, object], cluster: Mapping[str, object]) -> Path:
     path.write_text(
         yaml.safe_dump(
             {

@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without progress before /health fails",
     )
     a("--decode-kernel", choices=["auto", "torch", "cpu-c", "triton"], default="auto")
+    a(
+        "--matmul",
+        choices=["auto", "torch", "cpu-c"],
+        default="auto",
+        help="projection matmuls: auto uses the C few-row kernels on CPU for decode steps",
+    )
     a("--threads", type=int, default=None, help="torch CPU threads")
     a("--log-level", default="info")
 

@@ -22,7 +22,7 @@ import uvicorn
 from servefleet.engine.attention import PagedAttention
 from servefleet.engine.chat_template import ChatTemplate
 from servefleet.engine.config import EngineConfig, parse_memory
-from servefleet.engine.kernels import select_decode_kernel
+from servefleet.engine.kernels import select_decode_kernel, select_matmul
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
 from servefleet.engine.metrics import EngineMetrics
@@ -94,6 +94,7 @@ def load_for(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernel_name, kernel = select_decode_kernel(device, prefer=config.decode_kernel)
+    matmul = select_matmul(device, prefer=config.matmul)
     t0 = time.monotonic()
     loaded = load_model(
         config.model,
@@ -102,12 +103,14 @@ def load_for(config: EngineConfig) -> LoadedModel:
         attn_impl=PagedAttention(kernel),
         max_positions=config.max_model_len,
     )
+    loaded.model.set_matmul(matmul)
     log.info(
-        "model_loaded: model=%s dtype=%s device=%s decode_kernel=%s load_s=%.2f",
+        "model_loaded: model=%s dtype=%s device=%s decode_kernel=%s matmul=%s load_s=%.2f",
         loaded.name,
         str(dtype).removeprefix("torch."),
         device,
         kernel_name,
+        matmul.name,
         time.monotonic() - t0,
     )
     return loaded

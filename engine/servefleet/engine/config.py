@@ -51,6 +51,9 @@ class EngineConfig(BaseModel):
     drain_timeout: float = Field(default=30.0, ge=0)
     stall_timeout: float = Field(default=120.0, gt=0)
     decode_kernel: Literal["auto", "torch", "cpu-c", "triton"] = "auto"
+    matmul: Literal["auto", "torch", "cpu-c"] = Field(
+        default="auto", description="Projection matmuls: auto = C few-row kernels on CPU."
+    )
     threads: int | None = Field(default=None, ge=1)
     log_level: str = "info"
 

@@ -136,9 +136,10 @@ ADAPTERS: dict[EngineKind, EngineAdapter] = {
         live_path="/health",
         metrics_path="/metrics",
         metrics=MetricNames(
-            requests_waiting="servefleet_engine_requests_waiting",
-            requests_running="servefleet_engine_requests_running",
-            kv_cache_usage="servefleet_engine_kv_cache_usage_ratio",
+            # Our engine exports vLLM's names on purpose: one row for routers and autoscalers.
+            requests_waiting="vllm:num_requests_waiting",
+            requests_running="vllm:num_requests_running",
+            kv_cache_usage="vllm:kv_cache_usage_perc",
         ),
         build_flags=_servefleet_flags,
         needs_shared_memory=False,
@@ -155,7 +156,8 @@ ADAPTERS: dict[EngineKind, EngineAdapter] = {
         metrics=MetricNames(
             requests_waiting="vllm:num_requests_waiting",
             requests_running="vllm:num_requests_running",
-            kv_cache_usage="vllm:gpu_cache_usage_perc",
+            # vLLM V1's name (gpu_cache_usage_perc was the V0 one, removed in V1).
+            kv_cache_usage="vllm:kv_cache_usage_perc",
         ),
         build_flags=_vllm_flags,
         needs_shared_memory=True,

@@ -1,7 +1,8 @@
-"""Decode-attention kernels and the choice between them.
+"""Decode-attention and few-row matmul kernels, and the choice between them.
 
-Every kernel has the `DecodeKernel` signature of `torch_paged_decode`, so the
-engine can swap them freely; the PyTorch reference is always there as fallback.
+Every attention kernel has the `DecodeKernel` signature of `torch_paged_decode`,
+and every matmul backend the `Matmul` interface of `TORCH_MATMUL`, so the engine
+can swap them freely; PyTorch is always there as fallback.
 """
 
 from __future__ import annotations
@@ -14,12 +15,22 @@ import torch
 
 from servefleet.engine.attention import DecodeKernel, torch_paged_decode
 from servefleet.engine.kernels.cpu_paged_decode import load_cpu_paged_decode
+from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm, load_cpu_small_gemm
+from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul, TorchMatmul
 from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode, triton_unavailable
 
 logger = logging.getLogger("servefleet.engine.kernels")
 
 KernelName = Literal["torch", "cpu-c", "triton"]
 KERNEL_NAMES: tuple[KernelName, ...] = ("torch", "cpu-c", "triton")
+MatmulName = Literal["torch", "cpu-c"]
+MATMUL_NAMES: tuple[MatmulName, ...] = ("torch", "cpu-c")
+
+# Largest row count where the C kernels beat torch.mm / F.linear (MKL), measured by
+# bench/small_gemm.py --crossover on the SmolLM2 shapes, 30 distinct weight sets (so
+# weights stream from DRAM), 2 threads: CROSSOVER_NOTE_FILLED_IN_BELOW.
+SMALL_MM_MAX_ROWS = 32
+SMALL_LINEAR_MAX_ROWS = 32
 
 
 class KernelUnavailableError(RuntimeError):
@@ -82,11 +93,63 @@ def select_decode_kernel(
     return _select(torch.device(device).type, prefer)
 
 
+def select_small_mm(device: torch.device | str) -> CpuSmallGemm | None:
+    """The C few-row matmul kernels where they run (CPU with a compiler), else None."""
+    if torch.device(device).type != "cpu":
+        return None
+    return load_cpu_small_gemm()
+
+
+def _small_rows(kernel: CpuSmallGemm) -> SmallRowsMatmul:
+    return SmallRowsMatmul(
+        kernel, max_rows_mm=SMALL_MM_MAX_ROWS, max_rows_linear=SMALL_LINEAR_MAX_ROWS
+    )
+
+
+@functools.cache
+def _select_matmul(device_type: str, prefer: str) -> Matmul:
+    if prefer not in ("auto", *MATMUL_NAMES):
+        raise ValueError(
+            f"unknown matmul backend {prefer!r}; choose one of auto, {', '.join(MATMUL_NAMES)}"
+        )
+    matmul: Matmul = TORCH_MATMUL
+    if prefer != "torch":
+        kernel = select_small_mm(device_type)
+        if kernel is not None:
+            matmul = _small_rows(kernel)
+        elif prefer == "cpu-c":
+            where = "cpu-c runs on CPU tensors" if device_type != "cpu" else "it could not be built"
+            raise KernelUnavailableError(f"cpu-c matmul unavailable: {where}")
+    detail = f" isa={matmul.kernel.isa}" if isinstance(matmul, SmallRowsMatmul) else ""
+    logger.info("matmul for %s: %s%s (prefer=%s)", device_type, matmul.name, detail, prefer)
+    return matmul
+
+
+def select_matmul(device: torch.device | str, prefer: str = "auto") -> Matmul:
+    """The model's matmul backend: on CPU the C kernels for decode-sized calls, else torch.
+
+    `prefer="torch"|"cpu-c"` forces one; a forced cpu-c that cannot run raises
+    KernelUnavailableError.
+    """
+    return _select_matmul(torch.device(device).type, prefer)
+
+
 __all__ = [
     "KERNEL_NAMES",
+    "MATMUL_NAMES",
+    "SMALL_LINEAR_MAX_ROWS",
+    "SMALL_MM_MAX_ROWS",
+    "TORCH_MATMUL",
+    "CpuSmallGemm",
     "DecodeKernel",
     "KernelName",
     "KernelUnavailableError",
+    "Matmul",
+    "MatmulName",
+    "SmallRowsMatmul",
+    "TorchMatmul",
     "select_decode_kernel",
+    "select_matmul",
+    "select_small_mm",
     "torch_paged_decode",
 ]

@@ -9,28 +9,32 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from servefleet.engine.kernels import cbuild
+from servefleet.engine.kernels.cbuild import (
+    CACHE_DIR_ENV,
+    THREADING_CODES,
+    THREADING_FLAGS,
+    KernelBuildError,
+    Threading,
+    find_compiler,
+    kernel_cache_dir,
+    loaded_openmp_runtimes,
+)
 from servefleet.engine.kernels.validation import validate_decode_inputs
 
 logger = logging.getLogger("servefleet.engine.kernels")
 
-Threading = Literal["openmp", "pthreads", "single"]
 DEFAULT_THREADING: Threading = "openmp"
 
 SOURCE_PATH = Path(__file__).with_name("cpu_paged_decode.c")
-CACHE_DIR_ENV = "SERVEFLEET_CACHE_DIR"
 
 # Reassociation lets the dot products and sums vectorise. Full -ffast-math is
 # avoided: -ffinite-math-only would let the compiler drop NaN/inf handling.
@@ -42,14 +46,6 @@ OPTIMISE_FLAGS = (
     "-fassociative-math",
     "-ffp-contract=fast",
 )
-NATIVE_FLAGS = ("-march=native",)
-THREADING_FLAGS: dict[Threading, tuple[str, ...]] = {
-    "openmp": ("-fopenmp", "-DSF_THREADING=2"),
-    "pthreads": ("-pthread", "-DSF_THREADING=1"),
-    "single": ("-DSF_THREADING=0",),
-}
-THREADING_CODES: dict[Threading, int] = {"single": 0, "pthreads": 1, "openmp": 2}
-COMPILE_TIMEOUT_S = 120
 
 ERROR_MESSAGES = {
     1: "a context length is < 1 or larger than max_blocks * block_size",
@@ -58,92 +54,9 @@ ERROR_MESSAGES = {
 }
 
 
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be built or loaded."""
-
-
-def kernel_cache_dir() -> Path:
-    """Where compiled kernels live: $SERVEFLEET_CACHE_DIR/kernels or ~/.cache/servefleet/kernels."""
-    root = os.environ.get(CACHE_DIR_ENV)
-    base = Path(root) if root else Path.home() / ".cache" / "servefleet"
-    return base / "kernels"
-
-
-def find_compiler() -> str | None:
-    """$CC if set, else the first of cc/gcc/clang on PATH."""
-    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
-    for name in candidates:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _compiler_identity(compiler: str) -> str:
-    result = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
-    )
-    return result.stdout.strip()
-
-
-def _cpu_identity() -> str:
-    """-march=native output depends on the CPU, so it is part of the cache key."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features", "model name")):
-                flags += line
-                if line.startswith(("flags", "Features")):
-                    break
-    except OSError:
-        pass
-    return f"{platform.machine()}|{flags}"
-
-
-def _compile(compiler: str, flags: list[str], target: Path) -> None:
-    """Compile to a temp file in the cache dir, then rename: concurrent builders never
-    see a half-written library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        cmd = [compiler, *flags, "-shared", "-fPIC", "-o", str(tmp), str(SOURCE_PATH)]
-        result = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-        )
-        if result.returncode != 0:
-            raise KernelBuildError(
-                f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
-            )
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def build_library(threading: Threading) -> Path:
     """Return the path of a compiled kernel, compiling it if no cached build matches."""
-    compiler = find_compiler()
-    if compiler is None:
-        raise KernelBuildError("no C compiler found (set CC or install cc/gcc/clang)")
-    identity = _compiler_identity(compiler)
-    source = SOURCE_PATH.read_bytes()
-    errors: list[str] = []
-    for arch_flags in (NATIVE_FLAGS, ()):
-        flags = [*OPTIMISE_FLAGS, *arch_flags, *THREADING_FLAGS[threading]]
-        key_parts = [source, compiler.encode(), identity.encode(), " ".join(flags).encode()]
-        if arch_flags:
-            key_parts.append(_cpu_identity().encode())
-        digest = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:20]
-        target = kernel_cache_dir() / f"cpu_paged_decode-{threading}-{digest}.so"
-        if target.exists():
-            return target
-        try:
-            _compile(compiler, flags, target)
-            return target
-        except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
-            errors.append(str(exc))
-    raise KernelBuildError("; ".join(errors))
+    return cbuild.build_library(SOURCE_PATH, OPTIMISE_FLAGS, threading)
 
 
 _c_int64 = ctypes.c_int64
@@ -212,27 +125,10 @@ class CpuPagedDecode:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def loaded_openmp_runtimes() -> set[str]:
-    """Distinct libgomp/libiomp files mapped into this process (Linux; empty elsewhere)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return set()
-    return {
-        line.split()[-1] for line in maps.splitlines() if "/libgomp" in line or "/libiomp" in line
-    }
-
-
 def _open_library(path: Path, threading: Threading) -> ctypes.CDLL:
-    library = ctypes.CDLL(str(path))
+    library = cbuild.open_library(path, threading)
     library.sf_paged_decode.argtypes = _ARGTYPES
     library.sf_paged_decode.restype = ctypes.c_int
-    library.sf_threading_mode.restype = ctypes.c_int
-    if library.sf_threading_mode() != THREADING_CODES[threading]:
-        raise KernelBuildError(f"{path} was not built for {threading} threading")
-    if threading == "openmp" and len(runtimes := loaded_openmp_runtimes()) > 1:
-        # Our libgomp did not bind to torch's: two thread pools would spin against each other.
-        raise KernelBuildError(f"two OpenMP runtimes loaded ({sorted(runtimes)})")
     return library
 
 
@@ -246,3 +142,19 @@ def load_cpu_paged_decode(threading: Threading = DEFAULT_THREADING) -> CpuPagedD
         logger.warning("CPU paged-decode kernel unavailable, using PyTorch: %s", exc)
         return None
     return CpuPagedDecode(library=library, threading=threading, path=path)
+
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "DEFAULT_THREADING",
+    "THREADING_CODES",
+    "THREADING_FLAGS",
+    "CpuPagedDecode",
+    "KernelBuildError",
+    "Threading",
+    "build_library",
+    "find_compiler",
+    "kernel_cache_dir",
+    "load_cpu_paged_decode",
+    "loaded_openmp_runtimes",
+]

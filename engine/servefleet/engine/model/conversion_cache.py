@@ -25,7 +25,7 @@ from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.tokenizer import Tokenizer
 
 # Bump whenever the conversion's output changes (names, un-permutation, tokenizer build).
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 CACHE_DIR_ENV = "SERVEFLEET_CACHE_DIR"
 _SAMPLE_BYTES = 1 << 20
 

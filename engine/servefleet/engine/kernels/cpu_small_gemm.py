@@ -1,0 +1,167 @@
+"""Few-row float32 matmuls in C (`cpu_small_gemm.c`) for CPU decode steps.
+
+A decode step multiplies a handful of rows by every weight of the model, so it is
+bound by streaming the weights from memory; MKL's small-M paths reach about half the
+bandwidth a gemv does. These kernels read each weight once per call at gemv-like
+bandwidth, and give every row the same bits whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from servefleet.engine.kernels import cbuild
+from servefleet.engine.kernels.cbuild import KernelBuildError
+
+logger = logging.getLogger("servefleet.engine.kernels")
+
+GemmThreading = Literal["openmp", "single"]
+DEFAULT_THREADING: GemmThreading = "openmp"
+# Caps on the instruction set, so tests can run the AVX2 and plain-C paths on a
+# machine that has AVX-512: explicit -mno-* flags win over what -march=native enables.
+IsaCap = Literal["native", "avx2", "plain"]
+ISA_CAP_FLAGS: dict[IsaCap, tuple[str, ...]] = {
+    "native": (),
+    "avx2": ("-mno-avx512f",),
+    "plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+}
+SOURCE_PATH = Path(__file__).with_name("cpu_small_gemm.c")
+
+# No -fassociative-math: the per-element summation order over K must stay fixed, which
+# is what makes a row's result independent of the batch it is in.
+OPTIMISE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast")
+
+ISA_NAMES = {1: "plain-c", 2: "avx2-fma", 3: "avx512f"}
+
+_ARGTYPES = [
+    ctypes.c_void_p,  # x [M, K]
+    ctypes.c_void_p,  # w [K, N] or [N, K]
+    ctypes.c_void_p,  # out [M, N]
+    ctypes.c_int64,  # M
+    ctypes.c_int64,  # K
+    ctypes.c_int64,  # N
+    ctypes.c_int,  # num_threads
+]
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, k_dim: int, what: str) -> None:
+    """Raise on anything the C code would misread; messages built only on failure."""
+    if (
+        x.dim() == 2
+        and w.dim() == 2
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and x.shape[1] == w.shape[k_dim]
+    ):
+        return
+    for name, t in (("x", x), ("weight", w)):
+        if t.dim() != 2:
+            raise ValueError(f"{what}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{what}: {name} must be float32, got {t.dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{what}: {name} must be on the CPU, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous (strides {t.stride()})")
+    raise ValueError(
+        f"{what}: x {tuple(x.shape)} and weight {tuple(w.shape)} disagree on the inner size"
+    )
+
+
+@dataclass(frozen=True)
+class CpuSmallGemm:
+    """The compiled kernels. Threads: `torch.get_num_threads()` at each call."""
+
+    library: ctypes.CDLL
+    threading: GemmThreading
+    isa: str
+    path: Path
+
+    def mm(self, x: torch.Tensor, weight_in_out: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight [K, N] -> [M, N] (what `torch.mm` computes)."""
+        _check(x, weight_in_out, 0, "small_mm")
+        out = torch.empty(x.shape[0], weight_in_out.shape[1], dtype=torch.float32)
+        self.library.sf_small_mm(
+            x.data_ptr(),
+            weight_in_out.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            weight_in_out.shape[1],
+            torch.get_num_threads(),
+        )
+        return out
+
+    def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight[N, K].T -> [M, N] (what `F.linear` computes, no bias)."""
+        _check(x, weight_out_in, 1, "small_linear")
+        out = torch.empty(x.shape[0], weight_out_in.shape[0], dtype=torch.float32)
+        self.library.sf_small_linear(
+            x.data_ptr(),
+            weight_out_in.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            weight_out_in.shape[0],
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def build_library(threading: GemmThreading = DEFAULT_THREADING, isa: IsaCap = "native") -> Path:
+    """Path of the compiled kernels, compiling them if no cached build matches."""
+    return cbuild.build_library(SOURCE_PATH, (*OPTIMISE_FLAGS, *ISA_CAP_FLAGS[isa]), threading)
+
+
+def _open(path: Path, threading: GemmThreading) -> ctypes.CDLL:
+    library = cbuild.open_library(path, threading)
+    for name in ("sf_small_mm", "sf_small_linear"):
+        function = getattr(library, name)
+        function.argtypes = _ARGTYPES
+        function.restype = None
+    library.sf_gemm_isa.restype = ctypes.c_int
+    return library
+
+
+@functools.cache
+def load_cpu_small_gemm(
+    threading: GemmThreading = DEFAULT_THREADING, isa: IsaCap = "native"
+) -> CpuSmallGemm | None:
+    """The compiled kernels, or None (with the reason logged) when they cannot be built."""
+    try:
+        path = build_library(threading, isa)
+        library = _open(path, threading)
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU small-matmul kernel unavailable, using torch.mm: %s", exc)
+        return None
+    built_isa = ISA_NAMES.get(library.sf_gemm_isa(), "unknown")
+    return CpuSmallGemm(library=library, threading=threading, isa=built_isa, path=path)
+
+
+def small_mm(x: torch.Tensor, weight_in_out: torch.Tensor) -> torch.Tensor:
+    """x @ weight_in_out with the C kernel; raises KernelBuildError if it cannot be built."""
+    return _required().mm(x, weight_in_out)
+
+
+def small_linear(x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight_out_in) with the C kernel; raises KernelBuildError if unbuildable."""
+    return _required().linear(x, weight_out_in)
+
+
+def _required() -> CpuSmallGemm:
+    gemm = load_cpu_small_gemm()
+    if gemm is None:
+        raise KernelBuildError("the CPU small-matmul kernel could not be built (see the log)")
+    return gemm

@@ -1,0 +1,88 @@
+"""The matmuls a decoder makes, behind one small interface the model is handed.
+
+The model calls `mm` for its [in, out] projection weights and `linear` for the
+[out, in] lm_head, so a backend can pick a kernel per call (by row count, dtype,
+device) without the model knowing; `TORCH_MATMUL` is the default everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm
+
+
+class Matmul(Protocol):
+    """`mm`: x [M, K] @ w [K, N] (+ bias); `linear`: x [M, K] @ w[N, K].T."""
+
+    @property
+    def name(self) -> str: ...
+
+    def mm(
+        self, x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TorchMatmul:
+    """`torch.mm` / `torch.addmm` / `F.linear`: what the model did before backends existed."""
+
+    name: str = "torch"
+
+    def mm(
+        self, x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if bias is None:
+            return torch.mm(x, weight_in_out)
+        return torch.addmm(bias, x, weight_in_out)
+
+    def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight_out_in)
+
+
+TORCH_MATMUL = TorchMatmul()
+
+
+def _fits_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    return (
+        x.shape[0] <= max_rows
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.is_contiguous()
+        and weight.is_contiguous()
+    )
+
+
+@dataclass(frozen=True)
+class SmallRowsMatmul:
+    """The C kernels for calls of at most `max_rows` rows (float32, CPU, contiguous).
+
+    Larger calls (prefill) and anything the kernels do not take go to torch, where
+    MKL's blocked GEMM is faster once the weights are reused across many rows.
+    """
+
+    kernel: CpuSmallGemm
+    max_rows_mm: int
+    max_rows_linear: int
+    name: str = "cpu-c"
+
+    def mm(
+        self, x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not _fits_kernel(x, weight_in_out, self.max_rows_mm):
+            return TORCH_MATMUL.mm(x, weight_in_out, bias)
+        out = self.kernel.mm(x, weight_in_out)
+        return out if bias is None else out.add_(bias)
+
+    def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+        if not _fits_kernel(x, weight_out_in, self.max_rows_linear):
+            return TORCH_MATMUL.linear(x, weight_out_in)
+        return self.kernel.linear(x, weight_out_in)
