@@ -16,6 +16,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="override the config's listen host")
     parser.add_argument("--port", type=int, default=None, help="override the config's port")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    parser.add_argument(
+        "--kube-routes",
+        action="store_true",
+        help="add the operator's route ConfigMaps (label servefleet.io/gateway-route=true) "
+        "to the config, hot, resolving tenant key Secrets through the API server",
+    )
+    parser.add_argument(
+        "--kube-namespace",
+        action="append",
+        default=[],
+        help="with --kube-routes: watch routes only in this namespace (repeatable; "
+        "default: all namespaces)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig for the API server (default: the pod's ServiceAccount)",
+    )
+    parser.add_argument(
+        "--secret-refresh-seconds",
+        type=float,
+        default=30.0,
+        help="with --kube-routes: how often referenced Secrets are read again (key rotation)",
+    )
 
 
 def load_config(path: str) -> object:
@@ -31,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     from servefleet.api.gateway_config import GatewayConfig
     from servefleet.gateway.app import Gateway
+    from servefleet.gateway.discovery import KubernetesApi
+    from servefleet.gateway.kube_routes import KubeRoutedGateway, KubeRoutes
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
@@ -42,13 +68,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"servefleet gateway: invalid config {args.config}:\n{exc}", file=sys.stderr)
         return 2
     assert isinstance(config, GatewayConfig)
+    kubernetes = None
     try:
-        gateway = Gateway(config)
-    except ValueError as exc:  # a key file or env var that is missing
+        if args.kubeconfig:
+            kubernetes = KubernetesApi.from_kubeconfig(args.kubeconfig)
+        elif args.kube_routes:
+            kubernetes = KubernetesApi.in_cluster()
+        gateway = Gateway(config, kubernetes=kubernetes)
+    except (OSError, RuntimeError, ValueError) as exc:  # a missing key file, no cluster
         print(f"servefleet gateway: {exc}", file=sys.stderr)
         return 2
+    app: object = gateway
+    if args.kube_routes:
+        assert kubernetes is not None
+        routes = KubeRoutes(
+            gateway,
+            config,
+            kubernetes,
+            namespaces=args.kube_namespace,
+            secret_refresh_s=args.secret_refresh_seconds,
+        )
+        app = KubeRoutedGateway(gateway, routes)
     uvicorn.run(
-        gateway,
+        app,  # type: ignore[arg-type]
         host=args.host or config.host,
         port=args.port if args.port is not None else config.port,
         log_level=args.log_level,

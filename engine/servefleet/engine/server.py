@@ -147,15 +147,11 @@ def build_app(state: ServingState) -> FastAPI:
             raise OpenAIError(400, f"chat template failed: {exc}", param="messages") from exc
         prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = _check_lengths(state, prompt_ids, body.requested_max_tokens, "messages")
-        engine_request = EngineRequest(
-            request_id=new_id("chatcmpl"),
-            prompt_token_ids=prompt_ids,
-            params=body.sampling_params(max_tokens, body.num_logprobs),
-            priority=body.priority_value,
-            n=body.n,
+        engine_request = _engine_request(
+            body, prompt_ids, max_tokens, body.num_logprobs, "chatcmpl"
         )
         if body.stream:
-            return _stream(request, state, engine_request, body, chat=True)
+            return _stream(state, engine_request, body, chat=True)
         outputs = await _collect(request, state, engine_request)
         return JSONResponse(_chat_response(state, engine_request, outputs, body))
 
@@ -181,15 +177,9 @@ def build_app(state: ServingState) -> FastAPI:
             raise OpenAIError(400, "prompt is empty after tokenization", param="prompt")
         requested = body.max_tokens if body.max_tokens is not None else 16
         max_tokens = _check_lengths(state, prompt_ids, requested, "prompt")
-        engine_request = EngineRequest(
-            request_id=new_id("cmpl"),
-            prompt_token_ids=prompt_ids,
-            params=body.sampling_params(max_tokens, body.logprobs),
-            priority=body.priority_value,
-            n=body.n,
-        )
+        engine_request = _engine_request(body, prompt_ids, max_tokens, body.logprobs, "cmpl")
         if body.stream:
-            return _stream(request, state, engine_request, body, chat=False)
+            return _stream(state, engine_request, body, chat=False)
         outputs = await _collect(request, state, engine_request)
         return JSONResponse(_completion_response(state, engine_request, outputs, body))
 
@@ -277,6 +267,18 @@ def _check_lengths(
             code="kv_cache_too_small",
         )
     return max_tokens
+
+
+def _engine_request(
+    body: _SamplingFields, prompt_ids: list[int], max_tokens: int, logprobs: int | None, kind: str
+) -> EngineRequest:
+    return EngineRequest(
+        request_id=new_id(kind),
+        prompt_token_ids=prompt_ids,
+        params=body.sampling_params(max_tokens, logprobs),
+        priority=body.priority_value,
+        n=body.n,
+    )
 
 
 # ---- running a request ------------------------------------------------------------------------
@@ -429,7 +431,6 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _stream(
-    request: Request,
     state: ServingState,
     req: EngineRequest,
     body: ChatCompletionRequest | CompletionRequest,

@@ -48,6 +48,7 @@ from servefleet.gateway.proxy import (
     usage_from_json,
 )
 from servefleet.gateway.queueing import TrafficClass
+from servefleet.gateway.routing import ReplicaState
 from servefleet.gateway.spill_budget import RedisSpillBudget
 from servefleet.gateway.upstream import (
     UpstreamError,
@@ -106,6 +107,22 @@ class Call:
     used: Usage | None = None
     events: int = 0
     first_byte: bool = False
+
+
+def _same_pool(old: GatewayDeployment, new: GatewayDeployment) -> bool:
+    """True when only the tenants' access changed: the pool itself can stay."""
+    return old.model_dump(exclude={"tenants"}) == new.model_dump(exclude={"tenants"})
+
+
+def _inherit(pool: DeploymentPool, old: DeploymentPool, now: float) -> None:
+    """A replaced pool keeps what was learned: replicas, their readiness, timings, tokenizer."""
+    ready = [e for e, r in old.replicas.replicas.items() if r.state is ReplicaState.READY]
+    if old.replicas.replicas and pool.config.service == old.config.service:
+        pool.set_replicas(list(old.replicas.replicas), ready)
+    pool.service_time = old.service_time
+    pool.cold_start = old.cold_start
+    if pool.config.tokenizer == old.config.tokenizer:
+        pool.token_counter = old.token_counter
 
 
 def _policy(limits: Any) -> LimitPolicy:
@@ -187,19 +204,10 @@ class Gateway:
         self._models_body: dict[str, bytes] = {}
         self._build_routes()
         self.limiter = limiter if limiter is not None else self._make_limiter()
-        self._share_spill_budgets()
-        self._spill_targets: dict[
-            str, tuple[str, str, float]
-        ] = {}  # deployment -> (base, auth, timeout)
-        for deployment in config.deployments:
-            if deployment.spillover is not None and deployment.spillover_api_key is not None:
-                spill = deployment.spillover
-                assert spill.base_url is not None
-                self._spill_targets[deployment.name] = (
-                    spill.base_url.rstrip("/"),
-                    "Bearer " + deployment.spillover_api_key.read(environ),
-                    spill.timeout_seconds,
-                )
+        self._share_spill_budgets(self.pools.values())
+        # deployment -> (base URL, authorization header, timeout)
+        self._spill_targets: dict[str, tuple[str, str, float]]
+        self._spill_targets = self._read_spill_targets(config)
         self._internal_key = (
             config.internal_api_key.read(environ) if config.internal_api_key else None
         )
@@ -207,6 +215,8 @@ class Gateway:
         self._client: httpx.AsyncClient | None = None  # probes only; requests use _upstream
         self._upstream = UpstreamPool()
         self._tasks: list[asyncio.Task[None]] = []
+        self._pool_tasks: dict[str, list[asyncio.Task[None]]] = {}  # by deployment name
+        self._started = False
         self._ready = False
 
     # -- setup ------------------------------------------------------------------------------
@@ -269,13 +279,26 @@ class Gateway:
             on_error=on_error,
         )
 
-    def _share_spill_budgets(self) -> None:
+    def _read_spill_targets(self, config: GatewayConfig) -> dict[str, tuple[str, str, float]]:
+        targets: dict[str, tuple[str, str, float]] = {}
+        for deployment in config.deployments:
+            if deployment.spillover is not None and deployment.spillover_api_key is not None:
+                spill = deployment.spillover
+                assert spill.base_url is not None
+                targets[deployment.name] = (
+                    spill.base_url.rstrip("/"),
+                    "Bearer " + deployment.spillover_api_key.read(self._environ),
+                    spill.timeout_seconds,
+                )
+        return targets
+
+    def _share_spill_budgets(self, pools: Iterable[DeploymentPool]) -> None:
         """With Redis, every gateway replica takes spill-overs from one bucket per deployment."""
         redis = self.config.redis
         limiter = self.limiter
         if redis is None or not isinstance(limiter, FailoverLimiter):
             return
-        for pool in self.pools.values():
+        for pool in pools:
             spill = pool.config.spillover
             if spill is None:
                 continue
@@ -295,26 +318,36 @@ class Gateway:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=2.0, trust_env=False)
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="gateway-probes"))
+        self._started = True
         for pool in self.pools.values():
-            if pool.config.tokenizer is not None and pool.token_counter is None:
-                self._tasks.append(
-                    asyncio.create_task(self._load_tokenizer(pool), name=f"tokens-{pool.name}")
-                )
-        for deployment in self.config.deployments:
-            if deployment.service is not None:
-                self._tasks.append(
-                    asyncio.create_task(self._watch(deployment), name=f"watch-{deployment.name}")
-                )
+            self._start_pool_tasks(pool)
         self._ready = True
+
+    def _start_pool_tasks(self, pool: DeploymentPool) -> None:
+        """The tokenizer load and the EndpointSlice watch that feed one pool."""
+        tasks = self._pool_tasks.setdefault(pool.name, [])
+        if pool.config.tokenizer is not None and pool.token_counter is None:
+            tasks.append(
+                asyncio.create_task(self._load_tokenizer(pool), name=f"tokens-{pool.name}")
+            )
+        if pool.config.service is not None:
+            tasks.append(asyncio.create_task(self._watch(pool), name=f"watch-{pool.name}"))
+
+    def _cancel_pool_tasks(self, name: str) -> None:
+        for task in self._pool_tasks.pop(name, []):
+            task.cancel()
 
     async def stop(self) -> None:
         self._ready = False
-        for task in self._tasks:
+        self._started = False
+        tasks = [*self._tasks, *(t for ts in self._pool_tasks.values() for t in ts)]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        self._pool_tasks.clear()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -339,12 +372,76 @@ class Gateway:
         else:
             log.info("deployment %s: counting prompt tokens with %s", pool.name, source)
 
-    async def _watch(self, deployment: GatewayDeployment) -> None:
-        assert deployment.service is not None
+    async def _watch(self, pool: DeploymentPool) -> None:
+        assert pool.config.service is not None
         api = self._kubernetes or KubernetesApi.in_cluster()
-        pool = self.pools[deployment.name]
-        watcher = EndpointSliceWatcher(api, deployment.service)
+        watcher = EndpointSliceWatcher(api, pool.config.service)
         await watcher.run(lambda endpoints, ready: pool.set_replicas(endpoints, ready))
+
+    # -- hot reconfiguration ----------------------------------------------------------------
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Swap in new tenants and deployments without a restart (routes from Kubernetes).
+
+        Everything is built before anything is swapped, so a bad config (a missing key file)
+        raises ValueError and leaves the gateway as it was. A pool whose settings did not
+        change is kept with its queue, replicas and measurements (a tenant change only
+        updates who may use it); a changed pool is replaced and inherits its replicas and
+        measurements, while requests already queued or running on the old one finish there.
+        The limiter is kept, so windows carry over and a new limit applies to the running one.
+        """
+        if config.redis != self.config.redis or config.routing != self.config.routing:
+            raise ValueError("redis and routing settings cannot change without a restart")
+        digests = {
+            key.digest(self._environ): tenant.name
+            for tenant in config.tenants
+            for key in tenant.api_keys
+        }
+        spill_targets = self._read_spill_targets(config)
+        pools: dict[str, DeploymentPool] = {}
+        created: list[DeploymentPool] = []
+        for deployment in config.deployments:
+            old = self.pools.get(deployment.name)
+            if old is not None and _same_pool(old.config, deployment):
+                old.config = deployment
+                old.tenants = {t.name: t for t in deployment.tenants}
+                pools[deployment.name] = old
+                continue
+            pool = DeploymentPool(deployment, config.routing, clock=self._clock)
+            if old is not None:
+                _inherit(pool, old, self._clock())
+            pools[deployment.name] = pool
+            created.append(pool)
+        gone = [p for name, p in self.pools.items() if pools.get(name) is not p]
+        # Commit: nothing below can fail on bad input.
+        self.config = config
+        self.pools = pools
+        self._by_model = {p.model: p for p in pools.values()}
+        self.keys = KeyRing(digests)
+        self._spill_targets = spill_targets
+        self._routes = {}
+        self._models_body = {}
+        self._build_routes()
+        self._share_spill_budgets(created)
+        for pool in gone:
+            self._cancel_pool_tasks(pool.name)
+            if pool.name not in pools:
+                self._forget_metrics(pool)
+        if self._started:
+            for pool in created:
+                self._start_pool_tasks(pool)
+
+    def _forget_metrics(self, pool: DeploymentPool) -> None:
+        """A removed deployment's gauges must not be scraped forever at their last value."""
+        m = self.metrics
+        series = [
+            *((m.queue_depth, (pool.model, c)) for c in ("interactive", "batch")),
+            (m.in_flight, (pool.model,)),
+            (m.replicas_ready, (pool.model,)),
+            *((m.replica_outstanding, (pool.model, e)) for e in pool.replicas.replicas),
+        ]
+        for gauge, labels in series:
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
 
     async def _probe_loop(self) -> None:
         interval = self.config.routing.probe_interval_seconds

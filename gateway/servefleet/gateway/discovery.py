@@ -9,6 +9,7 @@ replica list converges without restarting the gateway.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from servefleet.api.gateway_config import ServiceRef
 
@@ -50,6 +52,34 @@ class KubernetesApi:
         context = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT_DIR / "ca.crt"))
         return cls(f"https://{host}:{port}", token, context)
 
+    @classmethod
+    def from_kubeconfig(cls, path: str | os.PathLike[str]) -> KubernetesApi:
+        """The current context of a kubeconfig: server, bearer token (or token file) and CA.
+
+        Enough for a ServiceAccount token kubeconfig (what a gateway outside the cluster, or
+        a test, uses); client certificates and exec plugins are not supported.
+        """
+        source = Path(path)
+        config = yaml.safe_load(source.read_text()) or {}
+        current = config.get("current-context")
+        context = _named(config.get("contexts"), current, "context", source)
+        cluster = _named(config.get("clusters"), context.get("cluster"), "cluster", source)
+        user = _named(config.get("users"), context.get("user"), "user", source)
+        token = user.get("token")
+        if token is None and user.get("tokenFile"):
+            token = Path(user["tokenFile"]).read_text().strip()
+        if token is None:
+            raise ValueError(f"{source}: user {context.get('user')!r} has no token")
+        verify: ssl.SSLContext | bool = True
+        if cluster.get("insecure-skip-tls-verify"):
+            verify = False
+        elif cluster.get("certificate-authority-data"):
+            pem = base64.b64decode(cluster["certificate-authority-data"]).decode()
+            verify = ssl.create_default_context(cadata=pem)
+        elif cluster.get("certificate-authority"):
+            verify = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        return cls(str(cluster["server"]).rstrip("/"), token, verify)
+
     def client(self) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
         return httpx.AsyncClient(
@@ -58,6 +88,14 @@ class KubernetesApi:
             verify=self.verify,
             timeout=httpx.Timeout(10.0, read=None),
         )
+
+
+def _named(entries: Any, name: Any, field: str, source: Path) -> dict[str, Any]:
+    for entry in entries or []:
+        if entry.get("name") == name:
+            found: dict[str, Any] = entry.get(field) or {}
+            return found
+    raise ValueError(f"{source}: no {field} named {name!r}")
 
 
 def slice_endpoints(

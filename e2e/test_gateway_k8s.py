@@ -1,0 +1,385 @@
+"""The gateway on Kubernetes: routes from the operator's ConfigMaps, keys from Secrets, hot.
+
+Against the real API server of `e2e/conftest.py`: the operator (chart ServiceAccount) renders
+`<name>-gateway-route` from an LLMDeployment; `servefleet gateway --kube-routes` runs as a
+process with a kubeconfig of the chart's *gateway* ServiceAccount (so its RBAC is proven),
+reads the route and the tenant key Secret through the API server, and routes to an in-test
+OpenAI stand-in that an EndpointSlice written here points at (there is no kubelet, so no
+engine pod ever runs). Then the CR and the Secret change under the running gateway.
+
+The first tests are pure (route parsing and merging rules) and need no cluster.
+
+    uv run pytest e2e/test_gateway_k8s.py
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+from conftest import RELEASE, SYSTEM_NAMESPACE
+from k8s.kubectl import Kube, OperatorProcess, wait_for
+
+from servefleet.api.gateway_config import GatewayConfig, RedisConfig, hash_api_key
+from servefleet.gateway.app import Gateway
+from servefleet.gateway.fake_upstream import FakeOpenAI
+from servefleet.gateway.route_merge import (
+    ResolvedSecrets,
+    RouteError,
+    SecretKeyPath,
+    merge_routes,
+    parse_route,
+    referenced_secrets,
+    resolve_route,
+)
+
+NAMESPACE = "e2e-gateway-routes"
+NAME = "routed"
+MODEL = "routed-model"
+SECRET = "routed-keys"
+KEY = "sk-routed-first-key"
+ROTATED_KEY = "sk-routed-rotated-key"
+MOUNT = "/etc/servefleet/secrets"
+
+
+# ----------------------------------------------------------------------------- pure rules
+
+
+def route_configmap(namespace: str, name: str, config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": namespace, "name": name},
+        "data": {"gateway.yaml": yaml.safe_dump(config)},
+    }
+
+
+def fragment(tenant: str, model: str, key_file: str, rpm: int = 10) -> dict[str, Any]:
+    return {
+        "tenants": [
+            {
+                "name": tenant,
+                "api_keys": [{"source": {"file": key_file}}],
+                "limits": {"requestsPerMinute": rpm},
+            }
+        ],
+        "deployments": [
+            {"name": f"{model}-{tenant}", "model": model, "tenants": [{"name": tenant}]}
+        ],
+    }
+
+
+def test_routes_may_only_reference_secrets_of_their_own_namespace() -> None:
+    own = parse_route(route_configmap("a", "r", fragment("t", "m", f"{MOUNT}/a/keys/t")))
+    assert referenced_secrets(own)[0] == {SecretKeyPath("a", "keys", "t")}
+    for bad in (f"{MOUNT}/b/keys/t", "/etc/passwd", f"{MOUNT}/a/../b/keys", f"{MOUNT}/a/keys"):
+        route = parse_route(route_configmap("a", "r", fragment("t", "m", bad)))
+        with pytest.raises(RouteError):
+            referenced_secrets(route)
+    env = fragment("t", "m", "x")
+    env["tenants"][0]["api_keys"] = [{"source": {"env": "SERVEFLEET_INTERNAL_KEY"}}]
+    with pytest.raises(RouteError, match="Secret references"):
+        referenced_secrets(parse_route(route_configmap("a", "r", env)))
+
+
+def test_a_tenant_belongs_to_the_first_namespace_and_conflicts_reject_whole_routes() -> None:
+    a = parse_route(route_configmap("a", "r1", fragment("t", "m1", f"{MOUNT}/a/keys/t")))
+    b = parse_route(route_configmap("b", "r1", fragment("t", "m2", f"{MOUNT}/b/keys/t")))
+    a2 = parse_route(route_configmap("a", "r2", fragment("t", "m3", f"{MOUNT}/a/keys/u")))
+    same_model = parse_route(route_configmap("c", "r", fragment("v", "m1", f"{MOUNT}/c/k/v")))
+    other_limits = parse_route(
+        route_configmap("a", "r3", fragment("t", "m4", f"{MOUNT}/a/keys/t", rpm=99))
+    )
+    secrets = ResolvedSecrets(
+        digests={
+            SecretKeyPath("a", "keys", "t"): hash_api_key("key-a"),
+            SecretKeyPath("a", "keys", "u"): hash_api_key("key-a2"),
+            SecretKeyPath("b", "keys", "t"): hash_api_key("key-b"),
+            SecretKeyPath("c", "k", "v"): hash_api_key("key-c"),
+        }
+    )
+    resolved = [(r, resolve_route(r, secrets)[0]) for r in (b, same_model, a2, other_limits, a)]
+    result = merge_routes(GatewayConfig(), resolved)
+    assert result.served == ["a/r1", "a/r2"]
+    assert "belongs to namespace a" in result.rejected["b/r1"]
+    assert "model m1 is already served" in result.rejected["c/r"]
+    assert "limits differ" in result.rejected["a/r3"]
+    (tenant,) = result.config.tenants
+    # Two routes of namespace a: one tenant with both keys; b's key was not added to it.
+    assert {k.sha256 for k in tenant.api_keys} == {hash_api_key("key-a"), hash_api_key("key-a2")}
+
+
+def test_a_tenant_whose_secret_is_missing_is_left_out_not_fatal() -> None:
+    route = parse_route(route_configmap("a", "r", fragment("t", "m", f"{MOUNT}/a/keys/t")))
+    config, warnings = resolve_route(route, ResolvedSecrets())
+    assert config.tenants == [] and config.deployments[0].tenants == []
+    assert warnings and "a/keys[t] not found" in warnings[0]
+    assert merge_routes(GatewayConfig(), [(route, config)]).served == ["a/r"]
+
+
+def _config(rpm: int, concurrency: int = 4, *, second: bool = False) -> GatewayConfig:
+    tenant = {"name": "t", "api_keys": [{"sha256": hash_api_key("k")}], "limits": {}}
+    deployment = {
+        "name": "d",
+        "model": "m",
+        "endpoints": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+        "pool": {"perReplicaConcurrency": concurrency},
+        "tenants": [{"name": "t", "model_limits": {"requestsPerMinute": rpm}}],
+    }
+    extra = [{**deployment, "name": "d2", "model": "m2"}] if second else []
+    return GatewayConfig.model_validate({"tenants": [tenant], "deployments": [deployment, *extra]})
+
+
+def test_reconfigure_keeps_pools_and_limits_replaces_changed_pools_with_what_they_learned() -> None:
+    gateway = Gateway(_config(rpm=10, second=True))
+    pool = gateway.pools["d"]
+    pool.set_replicas(list(pool.replicas.replicas), ready=["http://10.0.0.1:8000"])
+    pool.service_time.update(3.5)
+    gateway.metrics.for_tenant("t", "m2")
+    gateway._render_metrics()
+    assert 'model="m2"' in gateway.metrics.render().decode()
+
+    gateway.reconfigure(_config(rpm=20))  # a tenant's limit changed; d2 removed
+    assert gateway.pools["d"] is pool  # same queue, replicas and measurements
+    route = gateway._routes[("t", "m")]
+    assert [s.policy.requests_per_minute for s in route.scopes] == [20]
+    assert "d2" not in gateway.pools and ("t", "m2") not in gateway._routes
+    assert 'servefleet_gateway_in_flight{model="m2"}' not in gateway._render_metrics().decode()
+
+    gateway.reconfigure(_config(rpm=20, concurrency=8))  # the pool itself changed
+    replaced = gateway.pools["d"]
+    assert replaced is not pool and replaced.replicas.cap == 8
+    assert replaced.service_time.value == 3.5
+    states = {e: r.state.value for e, r in replaced.replicas.replicas.items()}
+    assert states == {"http://10.0.0.1:8000": "ready", "http://10.0.0.2:8000": "starting"}
+    assert gateway.keys.tenant_for("Bearer k") == "t"
+
+    redis = _config(rpm=20).model_copy(update={"redis": RedisConfig(url="redis://127.0.0.1:1/0")})
+    with pytest.raises(ValueError, match="restart"):
+        gateway.reconfigure(redis)
+    assert gateway.pools["d"] is replaced  # a refused config changes nothing
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def host_address() -> str:
+    """This machine's non-loopback IPv4: EndpointSlices refuse 127.0.0.0/8 (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("10.255.255.255", 1))
+        except OSError as exc:
+            pytest.fail(f"no non-loopback IPv4 address for the stand-in replica: {exc}")
+        address = str(sock.getsockname()[0])
+    if address.startswith("127."):
+        pytest.fail("no non-loopback IPv4 address for the stand-in replica")
+    return address
+
+
+@contextlib.contextmanager
+def serve_replica(host: str) -> Iterator[int]:
+    """The OpenAI stand-in on `host` (a thread); yields its port."""
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(FakeOpenAI(), host=host, port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for("the stand-in replica to start", lambda: server.started, timeout=10)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def llmdeployment(rpm: int) -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "servefleet.io/v1alpha1",
+            "kind": "LLMDeployment",
+            "metadata": {"name": NAME, "namespace": NAMESPACE},
+            "spec": {
+                "model": {"name": MODEL, "source": {"builtin": "smollm2-135m-instruct"}},
+                "tenants": [
+                    {
+                        "name": "routed-tenant",
+                        "apiKeySecretRef": {"name": SECRET, "key": "api-key"},
+                        "limits": {"requestsPerMinute": rpm},
+                    }
+                ],
+            },
+        }
+    )
+
+
+def secret(key: str) -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": SECRET, "namespace": NAMESPACE},
+            "type": "Opaque",
+            "data": {"api-key": base64.b64encode(key.encode()).decode()},
+        }
+    )
+
+
+def endpoint_slice(service: str, address: str, port: int) -> str:
+    """What the EndpointSlice controller would write for one ready engine pod (no kubelet)."""
+    return yaml.safe_dump(
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{service}-e2e",
+                "namespace": NAMESPACE,
+                "labels": {
+                    "kubernetes.io/service-name": service,
+                    "endpointslice.kubernetes.io/managed-by": "e2e-test",
+                },
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+        }
+    )
+
+
+class GatewayProcess:
+    def __init__(self, kubeconfig: Path, work: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = work / "gateway.log"
+        base = work / "gateway.yaml"
+        base.write_text(yaml.safe_dump({"host": "127.0.0.1", "port": self.port}))
+        code = "import sys; from servefleet.cli.main import main; sys.exit(main())"
+        argv = [
+            sys.executable,
+            "-c",
+            code,
+            "gateway",
+            f"--config={base}",
+            "--kube-routes",
+            f"--kubeconfig={kubeconfig}",
+            "--secret-refresh-seconds=1",
+            "--log-level=info",
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+    def chat(self, key: str) -> httpx.Response:
+        return httpx.post(
+            self.url + "/v1/chat/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=30,
+        )
+
+
+@pytest.fixture
+def gateway(kube: Kube, installed_chart: Path, tmp_path: Path) -> Iterator[GatewayProcess]:
+    kubeconfig = kube.service_account_kubeconfig(
+        SYSTEM_NAMESPACE, f"{RELEASE}-gateway", tmp_path / "gateway.kubeconfig"
+    )
+    process = GatewayProcess(kubeconfig, tmp_path)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def _status(gateway: GatewayProcess, key: str) -> int | None:
+    assert gateway.alive(), f"gateway died:\n{gateway.logs()[-4000:]}"
+    try:
+        return gateway.chat(key).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def test_gateway_serves_operator_routes_with_secret_keys_and_follows_changes(
+    kube: Kube, operator: OperatorProcess, gateway: GatewayProcess
+) -> None:
+    kube.kubectl("create", "namespace", NAMESPACE, check=False)
+    kube.apply_text(secret(KEY))
+    kube.apply_text(llmdeployment(rpm=100))
+    route = wait_for(
+        "the operator to render the route ConfigMap",
+        lambda: kube.get("configmap", f"{NAME}-gateway-route", NAMESPACE),
+        timeout=60,
+    )
+    assert KEY not in yaml.safe_dump(route)  # a reference, never the key
+    address = host_address()
+    with serve_replica(address) as port:
+        kube.apply_text(endpoint_slice(f"{NAME}-engine", address, port))
+
+        wait_for(
+            "the gateway to sync routes",
+            lambda: httpx.get(gateway.url + "/ready", timeout=5).status_code == 200,
+            timeout=60,
+        )
+        wait_for("a routed request to succeed", lambda: _status(gateway, KEY) == 200, timeout=60)
+        answer = gateway.chat(KEY)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-servefleet-route"] == "pool"
+        assert answer.headers["x-ratelimit-limit-requests"] == "100"
+        wrong = gateway.chat("sk-not-a-key")
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["code"] == "invalid_api_key"
+        pid = gateway.proc.pid
+
+        # A limit changes in the CR: the operator re-renders, the gateway follows, hot.
+        kube.apply_text(llmdeployment(rpm=600))
+        wait_for(
+            "the gateway to apply the new limit",
+            lambda: gateway.chat(KEY).headers.get("x-ratelimit-limit-requests") == "600",
+            timeout=60,
+        )
+        # The key is rotated in its Secret: the new one works, the old one stops working.
+        kube.apply_text(secret(ROTATED_KEY))
+        wait_for("the rotated key to work", lambda: _status(gateway, ROTATED_KEY) == 200)
+        assert gateway.chat(KEY).status_code == 401
+        assert gateway.alive() and gateway.proc.pid == pid  # never restarted
+
+        # Deleting the CR garbage-collects the route; the tenant is gone from the gateway.
+        kube.kubectl("delete", "llmd", NAME, "-n", NAMESPACE, "--wait=false")
+        wait_for("the route to disappear", lambda: _status(gateway, ROTATED_KEY) == 401, timeout=90)
+    logs = gateway.logs()
+    assert "routes applied" in logs
+    for key in (KEY, ROTATED_KEY):
+        assert key not in logs, "a tenant key appeared in the gateway's log"

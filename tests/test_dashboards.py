@@ -1,0 +1,146 @@
+"""The chart's Grafana dashboards query series our components really export.
+
+Static half of the proof (fast, no Prometheus): every metric a panel names exists in the
+engine's, gateway's or autoscaler's own registry with the labels the query uses, and the
+operator's engine adapters name real series. `e2e/test_dashboards.py` evaluates every query
+against a real Prometheus scraping real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from servefleet.autoscaler.engine_metrics import METRIC_NAMES
+from servefleet.autoscaler.telemetry import AutoscalerMetrics
+from servefleet.engine.metrics import EngineMetrics
+from servefleet.gateway.metrics import GatewayMetrics
+from servefleet.operator.adapters import ADAPTERS
+
+DASHBOARDS = Path(__file__).resolve().parents[1] / "charts" / "servefleet" / "files" / "dashboards"
+# Labels Prometheus adds to every scraped series, and the histogram bucket label.
+TARGET_LABELS = {"instance", "job"}
+METRIC = re.compile(r"(?<![\w:])((?:vllm:|servefleet_)[A-Za-z0-9_:]*)")
+SELECTOR = re.compile(r"((?:vllm:|servefleet_)[A-Za-z0-9_:]*)\{([^}]*)\}")
+MATCHER = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"\s*")
+GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+VARIABLE = re.compile(r"\$\{?(\w+)(?::\w+)?\}?")
+
+
+def exported_series(registry: CollectorRegistry) -> dict[str, set[str]]:
+    """Every series name a registry exposes (suffixes included) → its label names."""
+    series: dict[str, set[str]] = {}
+    # prometheus_client has no public "label names of a collector" API.
+    for collector, names in registry._collector_to_names.items():
+        labels = set(getattr(collector, "_labelnames", ()))
+        kind = getattr(collector, "_type", "")
+        for name in names:
+            series[name] = labels | ({"le"} if kind == "histogram" else set())
+    return series
+
+
+def all_series() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for registry in (
+        EngineMetrics("m").registry,
+        GatewayMetrics().registry,
+        AutoscalerMetrics().registry,
+    ):
+        found |= exported_series(registry)
+    return found
+
+
+def dashboards() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.name, json.loads(p.read_text())) for p in sorted(DASHBOARDS.glob("*.json"))]
+
+
+def panel_targets(board: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(panel title, expr) of every query of every panel (rows included)."""
+    for panel in board["panels"]:
+        for inner in [panel, *panel.get("panels", [])]:
+            for target in inner.get("targets", []):
+                yield inner["title"], target["expr"]
+
+
+def variable_queries(board: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            query = var["query"]
+            yield var["name"], query["query"] if isinstance(query, dict) else query
+
+
+def test_there_are_dashboards_with_queries() -> None:
+    boards = dashboards()
+    assert {name for name, _ in boards} >= {"servefleet-overview.json", "servefleet-engines.json"}
+    for name, board in boards:
+        targets = list(panel_targets(board))
+        assert len(targets) >= 10, name
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
+        for panel in board["panels"]:
+            if panel["type"] != "row":
+                assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+                assert panel.get("description"), f"{name}: {panel['title']} says nothing"
+
+
+@pytest.mark.parametrize("name,board", dashboards())
+def test_every_queried_metric_and_label_is_exported(name: str, board: dict[str, Any]) -> None:
+    series = all_series()
+    exprs = [*panel_targets(board), *variable_queries(board)]
+    for title, expr in exprs:
+        metrics = METRIC.findall(expr)
+        assert metrics, f"{name} / {title}: no servefleet or vllm metric in {expr}"
+        known_labels = set(TARGET_LABELS)
+        for metric in metrics:
+            assert metric in series, f"{name} / {title}: {metric} is not exported by any component"
+            known_labels |= series[metric]
+        for metric, matchers in SELECTOR.findall(expr):
+            for label, _op, _value in MATCHER.findall(matchers):
+                assert label in series[metric] | TARGET_LABELS, (
+                    f"{name} / {title}: {metric} has no label {label}"
+                )
+        for grouping in GROUPING.findall(expr):
+            for label in filter(None, (x.strip() for x in grouping.split(","))):
+                assert label in known_labels, f"{name} / {title}: nothing has label {label}"
+        label_values = re.search(r"label_values\([^,]+,\s*(\w+)\)", expr)
+        if label_values:
+            assert label_values.group(1) in known_labels, f"{name} / {title}"
+
+
+@pytest.mark.parametrize("name,board", dashboards())
+def test_template_variables_are_only_used_as_regex_matchers(
+    name: str, board: dict[str, Any]
+) -> None:
+    """Multi-value variables expand to `a|b`, which only a regex matcher reads right."""
+    defined = {v["name"] for v in board["templating"]["list"]}
+    for title, expr in [*panel_targets(board), *variable_queries(board)]:
+        for used in VARIABLE.findall(expr):
+            if used.startswith("__"):
+                continue  # Grafana's own ($__rate_interval)
+            assert used in defined, f"{name} / {title}: ${used} is not defined"
+            assert re.search(rf"=~\"\$\{{?{used}\b", expr), (
+                f'{name} / {title}: ${used} must be used as label=~"${used}"'
+            )
+
+
+def test_engine_adapters_name_series_the_engines_export() -> None:
+    """Our engine exports vLLM's names; the operator and autoscaler must agree on them."""
+    ours = exported_series(EngineMetrics("m").registry)
+    servefleet = ADAPTERS["servefleet"].metrics
+    for name in (servefleet.requests_waiting, servefleet.requests_running):
+        assert name in ours
+    assert servefleet.kv_cache_usage in ours
+    for kind, adapter in ADAPTERS.items():
+        autoscaler = METRIC_NAMES[kind]
+        assert (
+            adapter.metrics.requests_waiting,
+            adapter.metrics.requests_running,
+            adapter.metrics.kv_cache_usage,
+        ) == (autoscaler.waiting, autoscaler.running, autoscaler.kv_cache_usage), kind
+    assert ADAPTERS["vllm"].metrics.kv_cache_usage == "vllm:kv_cache_usage_perc"
