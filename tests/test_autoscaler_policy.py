@@ -161,3 +161,13 @@ def test_cold_start_is_measured_from_starting_to_ready() -> None:
 def test_bounds_are_validated() -> None:
     with pytest.raises(ValueError, match="minReplicas"):
         targets(min_replicas=4, max_replicas=2)
+
+
+def test_stale_latency_without_demand_does_not_hold_the_pool_up() -> None:
+    """The gateway's p90s cover the last minute; once the burst is over they must not scale."""
+    t = targets(scale_down_delay_s=10)
+    idle_but_slow = dict(queue_wait_s=9.0, ttft_s=9.0)
+    d = decide(pool(READY, READY, **idle_but_slow), t, now=0)
+    assert d.desired == 2 and d.reason is not Reason.LATENCY_OVER_TARGET
+    d = decide(pool(READY, READY, **idle_but_slow), t, now=20, state=d.state)
+    assert (d.desired, d.reason) == (1, Reason.SCALE_DOWN)

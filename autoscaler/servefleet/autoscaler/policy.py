@@ -180,6 +180,10 @@ def _waiting_would_miss_target(targets: ScalingTargets, trend: float, cold_start
 
 
 def _latency_over_target(observation: Observation, targets: ScalingTargets) -> bool:
+    """Measured latency is a window into the past: it only argues for capacity while there is
+    demand now, or a burst that has ended would keep the pool from ever shrinking."""
+    if observation.demand <= 0:
+        return False
     wait, wait_target = observation.queue_wait_s, targets.queue_wait_target_s
     ttft, ttft_target = observation.ttft_s, targets.ttft_target_s
     return (wait is not None and wait_target is not None and wait > wait_target) or (
