@@ -7,7 +7,7 @@ DRAM as in the engine rather than sitting in cache. Steps alternate between the
 backends so both see the same machine load; the median step is reported.
 
 `--crossover` also times row counts up to 64 per backend and kernel shape, which
-is how `SMALL_MM_MAX_ROWS` / `SMALL_LINEAR_MAX_ROWS` were picked.
+is how `SMALL_MM_MAX_ROWS` was picked.
 
 Prints one JSON line; writes the JSON and a PNG plot (same stem) to --out.
 """
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm, load_cpu_small_gemm
+from servefleet.engine.kernels.matmul import SmallRowsMatmul
 
 LAYERS = 30
 PROJECTIONS = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N), [in, out]
@@ -136,9 +137,10 @@ def main() -> None:
         raise SystemExit("the C kernel could not be built (see the warning above)")
     rows: list[int] = [1, 2, 4, 8, 16, 24, 32, 48, 64] if args.crossover else args.rows
     layers, embed = make_weights(seed=0)
+    ours = SmallRowsMatmul(kernel, max_rows=max(rows))  # the engine's call path, no cut-off
     backends: dict[str, tuple[MatmulFn, MatmulFn]] = {
         "torch": (torch.mm, F.linear),
-        "cpu-c": (kernel.mm, kernel.linear),
+        "cpu-c": (ours.mm, ours.linear),
     }
     per_rows = {r: measure(layers, embed, r, backends, args.repeats, args.warmup) for r in rows}
     weight_bytes = 4 * (LAYERS * sum(k * n for k, n in PROJECTIONS) + VOCAB * HIDDEN)
@@ -161,6 +163,7 @@ def main() -> None:
             for r, res in per_rows.items()
         },
         "crossover_rows": {
+            "step": crossover(per_rows, "step_ms"),
             "mm": crossover(per_rows, "layers_ms"),
             "linear": crossover(per_rows, "lm_head_ms"),
         },

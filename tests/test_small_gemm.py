@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from servefleet.engine.kernels.cpu_small_gemm import (
 )
 
 HAS_COMPILER = find_compiler() is not None
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
 
 # (K, N): the SmolLM2 projections, plus sizes that are not multiples of the vector
@@ -50,18 +52,38 @@ def gemm(request: pytest.FixtureRequest) -> CpuSmallGemm:
     if not HAS_COMPILER:
         pytest.skip("no C compiler on this machine")
     threading, isa = request.param
+    if isa != "native" and not IS_X86:
+        pytest.skip("instruction-set caps are x86 compiler flags")
     kernel = load_cpu_small_gemm(threading, isa)
     assert kernel is not None, "a compiler is present, so the kernel must build"
     return kernel
 
 
 @needs_compiler
+@pytest.mark.skipif(not IS_X86, reason="instruction-set caps are x86 compiler flags")
 def test_isa_caps_select_the_code_path() -> None:
-    native = load_cpu_small_gemm("openmp", "native")
-    capped = load_cpu_small_gemm("openmp", "plain")
-    assert native is not None and capped is not None
-    assert capped.isa == "plain-c"
-    assert native.isa in ("avx512f", "avx2-fma", "plain-c")
+    builds = {isa: load_cpu_small_gemm("openmp", isa) for isa in ("native", "avx2", "plain")}
+    isas = {name: build.isa for name, build in builds.items() if build is not None}
+    cpu_flags = _cpu_flags()
+    expected_native = (
+        "avx512f"
+        if "avx512f" in cpu_flags
+        else "avx2-fma"
+        if {"avx2", "fma"} <= cpu_flags
+        else "plain-c"
+    )
+    assert isas == {
+        "native": expected_native,
+        "avx2": "avx2-fma" if {"avx2", "fma"} <= cpu_flags else "plain-c",
+        "plain": "plain-c",
+    }
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    pytest.skip("no CPU flags in /proc/cpuinfo")
 
 
 def _inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,15 +272,15 @@ def test_small_rows_matmul_routes_by_rows_dtype_and_layout() -> None:
     class Spy:
         isa = kernel.isa
 
-        def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        def mm_unchecked(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             calls.append("mm")
             return kernel.mm(x, w)
 
-        def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        def linear_unchecked(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             calls.append("linear")
             return kernel.linear(x, w)
 
-    matmul = SmallRowsMatmul(Spy(), max_rows_mm=4, max_rows_linear=2)  # type: ignore[arg-type]
+    matmul = SmallRowsMatmul(Spy(), max_rows=4)  # type: ignore[arg-type]
     x, w = _inputs(5, 16, 8, seed=2)
     bias = torch.randn(8)
     _assert_matches(matmul.mm(x[:4], w, bias), torch.addmm(bias, x[:4], w))
@@ -266,10 +288,12 @@ def test_small_rows_matmul_routes_by_rows_dtype_and_layout() -> None:
     _assert_matches(matmul.mm(x, w), torch.mm(x, w))  # 5 rows > 4: torch
     _assert_matches(matmul.mm(x[:2].double(), w.double()).float(), torch.mm(x[:2], w))
     _assert_matches(matmul.mm(x[:2], w.t().contiguous().t()), torch.mm(x[:2], w))
+    with pytest.raises(RuntimeError):  # shapes that do not fit: torch's own error
+        matmul.mm(x[:2, :-1], w)
     assert calls == ["mm"]
     w_out_in = w.t().contiguous()
-    _assert_matches(matmul.linear(x[:2], w_out_in), F.linear(x[:2], w_out_in))
-    _assert_matches(matmul.linear(x[:3], w_out_in), F.linear(x[:3], w_out_in))
+    _assert_matches(matmul.linear(x[:4], w_out_in), F.linear(x[:4], w_out_in))
+    _assert_matches(matmul.linear(x, w_out_in), F.linear(x, w_out_in))
     assert calls == ["mm", "linear"]
 
 

@@ -26,11 +26,15 @@ KERNEL_NAMES: tuple[KernelName, ...] = ("torch", "cpu-c", "triton")
 MatmulName = Literal["torch", "cpu-c"]
 MATMUL_NAMES: tuple[MatmulName, ...] = ("torch", "cpu-c")
 
-# Largest row count where the C kernels beat torch.mm / F.linear (MKL), measured by
-# bench/small_gemm.py --crossover on the SmolLM2 shapes, 30 distinct weight sets (so
-# weights stream from DRAM), 2 threads: CROSSOVER_NOTE_FILLED_IN_BELOW.
-SMALL_MM_MAX_ROWS = 32
-SMALL_LINEAR_MAX_ROWS = 32
+# Largest row count at which the C kernels beat torch (MKL) over a whole decode step's
+# matmuls: `bench/small_gemm.py --crossover` (SmolLM2: 30 layers with distinct weights,
+# so they stream from DRAM, + lm_head; 2 threads, AVX-512, load ~1.3). torch/C step ms:
+# 1: 18.6/19.5, 2: 22.7/19.2, 4: 29.2/21.1, 8: 42.8/24.8, 16: 41.4/30.9, 24: 46.8/39.0,
+# 32: 52.5/48.1, 48: 64.3/64.9, 64: 84.3/82.3; then 96: 107.2/116.8, 128: 129.3/153.5.
+# 32..64 is parity within noise; one limit for all calls (the lm_head alone flips at ~24
+# rows) keeps every decode step of up to 64 sequences batch-invariant. M=1 loses ~0.5 ms
+# (Python call overhead) but stays on C for the same reason.
+SMALL_MM_MAX_ROWS = 64
 
 
 class KernelUnavailableError(RuntimeError):
@@ -101,9 +105,7 @@ def select_small_mm(device: torch.device | str) -> CpuSmallGemm | None:
 
 
 def _small_rows(kernel: CpuSmallGemm) -> SmallRowsMatmul:
-    return SmallRowsMatmul(
-        kernel, max_rows_mm=SMALL_MM_MAX_ROWS, max_rows_linear=SMALL_LINEAR_MAX_ROWS
-    )
+    return SmallRowsMatmul(kernel, max_rows=SMALL_MM_MAX_ROWS)
 
 
 @functools.cache
@@ -137,7 +139,6 @@ def select_matmul(device: torch.device | str, prefer: str = "auto") -> Matmul:
 __all__ = [
     "KERNEL_NAMES",
     "MATMUL_NAMES",
-    "SMALL_LINEAR_MAX_ROWS",
     "SMALL_MM_MAX_ROWS",
     "TORCH_MATMUL",
     "CpuSmallGemm",

@@ -1,9 +1,9 @@
 """Few-row float32 matmuls in C (`cpu_small_gemm.c`) for CPU decode steps.
 
 A decode step multiplies a handful of rows by every weight of the model, so it is
-bound by streaming the weights from memory; MKL's small-M paths reach about half the
-bandwidth a gemv does. These kernels read each weight once per call at gemv-like
-bandwidth, and give every row the same bits whatever else is in the batch.
+bound by streaming the weights from memory, and MKL's small-M paths stream them well
+below gemv bandwidth. These kernels read each weight once per call while doing all the
+rows' FMAs on it, and give every row the same bits whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ logger = logging.getLogger("servefleet.engine.kernels")
 
 GemmThreading = Literal["openmp", "single"]
 DEFAULT_THREADING: GemmThreading = "openmp"
-# Caps on the instruction set, so tests can run the AVX2 and plain-C paths on a
-# machine that has AVX-512: explicit -mno-* flags win over what -march=native enables.
+# Caps on the instruction set (x86 compilers only), so tests can run the AVX2 and plain-C
+# paths on a machine that has AVX-512: explicit -mno-* flags win over -march=native.
 IsaCap = Literal["native", "avx2", "plain"]
 ISA_CAP_FLAGS: dict[IsaCap, tuple[str, ...]] = {
     "native": (),
@@ -59,8 +59,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, k_dim: int, what: str) -> None:
         and w.dim() == 2
         and x.dtype == torch.float32
         and w.dtype == torch.float32
-        and x.device.type == "cpu"
-        and w.device.type == "cpu"
+        and x.is_cpu
+        and w.is_cpu
         and x.is_contiguous()
         and w.is_contiguous()
         and x.shape[1] == w.shape[k_dim]
@@ -92,32 +92,36 @@ class CpuSmallGemm:
     def mm(self, x: torch.Tensor, weight_in_out: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight [K, N] -> [M, N] (what `torch.mm` computes)."""
         _check(x, weight_in_out, 0, "small_mm")
-        out = torch.empty(x.shape[0], weight_in_out.shape[1], dtype=torch.float32)
-        self.library.sf_small_mm(
-            x.data_ptr(),
-            weight_in_out.data_ptr(),
-            out.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            weight_in_out.shape[1],
-            torch.get_num_threads(),
-        )
-        return out
+        return self.mm_unchecked(x, weight_in_out)
 
     def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight[N, K].T -> [M, N] (what `F.linear` computes, no bias)."""
         _check(x, weight_out_in, 1, "small_linear")
-        out = torch.empty(x.shape[0], weight_out_in.shape[0], dtype=torch.float32)
-        self.library.sf_small_linear(
-            x.data_ptr(),
-            weight_out_in.data_ptr(),
-            out.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            weight_out_in.shape[0],
-            torch.get_num_threads(),
+        return self.linear_unchecked(x, weight_out_in)
+
+    # The unchecked forms are for callers that already checked dtype, device, contiguity
+    # and shapes (see matmul.SmallRowsMatmul): a decode step makes ~120 of these calls.
+
+    def mm_unchecked(self, x: torch.Tensor, weight_in_out: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        n = weight_in_out.shape[1]
+        out = torch.empty(m, n)
+        self.library.sf_small_mm(
+            x.data_ptr(), weight_in_out.data_ptr(), out.data_ptr(), m, k, n, _threads()
         )
         return out
+
+    def linear_unchecked(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        n = weight_out_in.shape[0]
+        out = torch.empty(m, n)
+        self.library.sf_small_linear(
+            x.data_ptr(), weight_out_in.data_ptr(), out.data_ptr(), m, k, n, _threads()
+        )
+        return out
+
+
+_threads = torch.get_num_threads
 
 
 def build_library(threading: GemmThreading = DEFAULT_THREADING, isa: IsaCap = "native") -> Path:

@@ -49,13 +49,18 @@ class TorchMatmul:
 TORCH_MATMUL = TorchMatmul()
 
 
-def _fits_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+def _fits_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int, k_dim: int) -> bool:
+    """Everything the C kernels need; anything else goes to torch (which also reports
+    shape errors in its own words)."""
     return (
-        x.shape[0] <= max_rows
+        x.dim() == 2
+        and weight.dim() == 2
+        and x.shape[0] <= max_rows
+        and x.shape[1] == weight.shape[k_dim]
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        and x.is_cpu
+        and weight.is_cpu
         and x.is_contiguous()
         and weight.is_contiguous()
     )
@@ -66,23 +71,24 @@ class SmallRowsMatmul:
     """The C kernels for calls of at most `max_rows` rows (float32, CPU, contiguous).
 
     Larger calls (prefill) and anything the kernels do not take go to torch, where
-    MKL's blocked GEMM is faster once the weights are reused across many rows.
+    MKL's blocked GEMM is faster once the weights are reused across many rows. One
+    limit for both layouts: then a whole decode step of up to `max_rows` sequences runs
+    on the C kernels and every sequence's logits are bitwise independent of the batch.
     """
 
     kernel: CpuSmallGemm
-    max_rows_mm: int
-    max_rows_linear: int
+    max_rows: int
     name: str = "cpu-c"
 
     def mm(
         self, x: torch.Tensor, weight_in_out: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not _fits_kernel(x, weight_in_out, self.max_rows_mm):
+        if not _fits_kernel(x, weight_in_out, self.max_rows, 0):
             return TORCH_MATMUL.mm(x, weight_in_out, bias)
-        out = self.kernel.mm(x, weight_in_out)
+        out = self.kernel.mm_unchecked(x, weight_in_out)
         return out if bias is None else out.add_(bias)
 
     def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
-        if not _fits_kernel(x, weight_out_in, self.max_rows_linear):
+        if not _fits_kernel(x, weight_out_in, self.max_rows, 1):
             return TORCH_MATMUL.linear(x, weight_out_in)
-        return self.kernel.linear(x, weight_out_in)
+        return self.kernel.linear_unchecked(x, weight_out_in)
