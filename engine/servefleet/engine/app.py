@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,14 +234,13 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(config: EngineConfig) -> int:
+    """Engine loop on the main thread, HTTP server on a second one, until drained."""
     built = build_engine(config)
     t0 = time.monotonic()
     warm_up(built)
     warm_s = time.monotonic() - t0
-    built.engine.start()
-    app = build_app(built.state)
     uv_config = uvicorn.Config(
-        app,
+        build_app(built.state),
         host=config.host,
         port=config.port,
         log_level="warning",
@@ -265,15 +265,31 @@ def serve(config: EngineConfig) -> int:
             warm_s,
         )
 
-    async def main() -> None:
+    async def run_server() -> None:
         ready_task = asyncio.ensure_future(mark_ready())
         try:
             await server.serve()
         finally:
             ready_task.cancel()
 
-    try:
-        asyncio.run(main())
-    finally:
-        built.engine.stop()
+    def server_thread() -> None:
+        try:
+            asyncio.run(run_server())
+        except BaseException:
+            log.exception("http server failed")
+        finally:
+            built.engine.request_stop()
+
+    # Signals reach the main thread; the server drains on its own loop.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)
+    http = threading.Thread(target=server_thread, name="http-server", daemon=True)
+    http.start()
+    built.engine.run()
+    if built.engine.fatal_error is not None:
+        log.error("engine loop died, exiting: %r", built.engine.fatal_error)
+        server.should_exit = True
+        http.join(10)
+        return 1
+    http.join(config.drain_timeout + 10)
     return 0
