@@ -37,7 +37,16 @@ from servefleet.engine.kernels.cpu_paged_decode import (
 from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode
 
 HAS_COMPILER = find_compiler() is not None
-needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+# The CPU kernels are part of the product: a machine that runs these tests needs `cc`.
+needs_compiler = pytest.mark.usefixtures("require_compiler")
+
+
+@pytest.fixture
+def require_compiler() -> None:
+    if not HAS_COMPILER:
+        pytest.fail("the CPU kernels need a C compiler (cc or gcc); install one")
+
+
 THREADINGS: list[Threading] = list(THREADING_FLAGS)
 
 
@@ -107,7 +116,7 @@ def check_against_reference(kernel: DecodeKernel, case: Case) -> None:
 @pytest.fixture(params=THREADINGS)
 def cpu_kernel(request: pytest.FixtureRequest) -> CpuPagedDecode:
     if not HAS_COMPILER:
-        pytest.skip("no C compiler on this machine")
+        pytest.fail("the CPU kernels need a C compiler (cc or gcc); install one")
     kernel = load_cpu_paged_decode(request.param)
     assert kernel is not None, "a compiler is present, so the kernel must build"
     return kernel

@@ -32,7 +32,15 @@ from servefleet.engine.kernels.cpu_small_gemm import (
 
 HAS_COMPILER = find_compiler() is not None
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
-needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+# The CPU kernels are part of the product: a machine that runs these tests needs `cc`.
+needs_compiler = pytest.mark.usefixtures("require_compiler")
+
+
+@pytest.fixture
+def require_compiler() -> None:
+    if not HAS_COMPILER:
+        pytest.fail("the CPU kernels need a C compiler (cc or gcc); install one")
+
 
 # (K, N): the SmolLM2 projections, plus sizes that are not multiples of the vector
 # width or of the kernels' register tiles.
@@ -50,7 +58,7 @@ BUILDS: list[tuple[GemmThreading, IsaCap]] = [
 @pytest.fixture(params=BUILDS, ids=["-".join(b) for b in BUILDS])
 def gemm(request: pytest.FixtureRequest) -> CpuSmallGemm:
     if not HAS_COMPILER:
-        pytest.skip("no C compiler on this machine")
+        pytest.fail("the CPU kernels need a C compiler (cc or gcc); install one")
     threading, isa = request.param
     if isa != "native" and not IS_X86:
         pytest.skip("instruction-set caps are x86 compiler flags")
@@ -122,7 +130,7 @@ def test_lm_head_shape(gemm: CpuSmallGemm) -> None:
 
 def test_module_level_helpers_use_the_kernel() -> None:
     if not HAS_COMPILER:
-        pytest.skip("no C compiler on this machine")
+        pytest.fail("the CPU kernels need a C compiler (cc or gcc); install one")
     x, w = _inputs(4, 40, 24, seed=9)
     _assert_matches(small_mm(x, w), torch.mm(x, w))
     _assert_matches(small_linear(x, w.t().contiguous()), x @ w)
