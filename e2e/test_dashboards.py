@@ -19,9 +19,7 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from procs import free_port as _free_port
+from procs import servefleet_command as _servefleet
 from prometheus_client import start_http_server
 
 from servefleet.api.gateway_config import (
@@ -68,17 +68,6 @@ KEY = "key-acme"
 READY_TIMEOUT_S = float(os.environ.get("SERVEFLEET_E2E_READY_S", "240"))
 RATE_INTERVAL = "1m"
 VARIABLE = re.compile(r"\$\{?(\w+)(?::\w+)?\}?")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _servefleet() -> list[str]:
-    beside = Path(sys.executable).parent / "servefleet"
-    return [str(beside)] if beside.is_file() else [sys.executable, "-m", "servefleet.cli.main"]
 
 
 @dataclass

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from procs import free_port as _free_port
+from procs import servefleet_command as _servefleet
 
 from servefleet.api.gateway_config import (
     ApiKeyRef,
@@ -55,17 +56,6 @@ ENGINE_ARGS = [
     "--drain-timeout",
     "90",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _servefleet() -> list[str]:
-    beside = Path(sys.executable).parent / "servefleet"
-    return [str(beside)] if beside.is_file() else [sys.executable, "-m", "servefleet.cli.main"]
 
 
 @dataclass

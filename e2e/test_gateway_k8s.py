@@ -32,6 +32,7 @@ import uvicorn
 import yaml
 from conftest import RELEASE, SYSTEM_NAMESPACE
 from k8s.kubectl import Kube, OperatorProcess, wait_for
+from procs import free_port as _free_port
 
 from servefleet.api.gateway_config import GatewayConfig, RedisConfig, hash_api_key
 from servefleet.gateway.app import Gateway
@@ -172,12 +173,6 @@ def test_reconfigure_keeps_pools_and_limits_replaces_changed_pools_with_what_the
 
 
 # ----------------------------------------------------------------------------- the cluster
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def host_address() -> str:

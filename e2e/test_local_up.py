@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from procs import free_port as _free_port
 
 Up = tuple["subprocess.Popen[str]", str, str]
 LOAD_SECONDS = float(os.environ.get("SERVEFLEET_E2E_LOAD_S", "60"))
@@ -39,14 +40,6 @@ spec:
   autoscaling: {{targetPerReplica: 4, interval: 1}}
   admission: {{maxQueueDepth: 64, maxQueueWait: 60}}
 """
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _engines(parent: int) -> list[int]:

@@ -128,61 +128,74 @@ def slice_endpoints(
     return every, ready
 
 
-class EndpointSliceWatcher:
+ObjectKey = tuple[str, str]  # (namespace, name)
+OnObjects = Callable[[dict[ObjectKey, dict[str, Any]]], None]
+
+
+def collection_path(group_version: str, plural: str, namespace: str | None) -> str:
+    """`/api/v1/configmaps`, `/api/v1/namespaces/ns/configmaps`, `/apis/g/v/...` alike."""
+    root = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    return f"{root}/namespaces/{namespace}/{plural}" if namespace else f"{root}/{plural}"
+
+
+def object_key(obj: dict[str, Any]) -> ObjectKey | None:
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    return None if name is None else (str(meta.get("namespace", "")), str(name))
+
+
+class LabelWatcher:
+    """Keeps `on_objects` up to date with every object of one kind carrying a label."""
+
     def __init__(
         self,
         api: KubernetesApi,
-        service: ServiceRef,
+        path: str,
+        label_selector: str,
         *,
         retry_s: float = 1.0,
     ) -> None:
         self.api = api
-        self.service = service
+        self.path = path
+        self.label_selector = label_selector
         self.retry_s = retry_s
-        self._slices: dict[str, dict[str, Any]] = {}
-        self._path = f"/apis/discovery.k8s.io/v1/namespaces/{service.namespace}/endpointslices"
-        self._selector = f"kubernetes.io/service-name={service.name}"
+        self.listed = asyncio.Event()  # set once the first list has been published
+        self._objects: dict[ObjectKey, dict[str, Any]] = {}
 
-    def _publish(self, on_endpoints: OnEndpoints) -> None:
-        every: list[str] = []
-        ready: list[str] = []
-        for endpoint_slice in self._slices.values():
-            e, r = slice_endpoints(endpoint_slice, self.service)
-            every += e
-            ready += r
-        on_endpoints(sorted(set(every)), sorted(set(ready)))
-
-    async def run(self, on_endpoints: OnEndpoints) -> None:
-        """Keep `on_endpoints` up to date until cancelled."""
+    async def run(self, on_objects: OnObjects) -> None:
+        """List and watch until cancelled."""
         async with self.api.client() as client:
             while True:
                 try:
-                    version = await self._list(client, on_endpoints)
-                    await self._watch(client, version, on_endpoints)
+                    version = await self._list(client, on_objects)
+                    await self._watch(client, version, on_objects)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # any break: list again
-                    log.warning("endpointslice watch of %s broke: %s", self.service.name, exc)
+                    log.warning("watch of %s broke: %s", self.path, exc)
                 await asyncio.sleep(self.retry_s)
 
-    async def _list(self, client: httpx.AsyncClient, on_endpoints: OnEndpoints) -> str:
-        response = await client.get(self._path, params={"labelSelector": self._selector})
+    async def _list(self, client: httpx.AsyncClient, on_objects: OnObjects) -> str:
+        response = await client.get(self.path, params={"labelSelector": self.label_selector})
         response.raise_for_status()
         body = response.json()
-        self._slices = {item["metadata"]["name"]: item for item in body.get("items") or []}
-        self._publish(on_endpoints)
+        self._objects = {}
+        for item in body.get("items") or []:
+            key = object_key(item)
+            if key is not None:
+                self._objects[key] = item
+        on_objects(dict(self._objects))
+        self.listed.set()
         return str(body.get("metadata", {}).get("resourceVersion", ""))
 
-    async def _watch(
-        self, client: httpx.AsyncClient, version: str, on_endpoints: OnEndpoints
-    ) -> None:
+    async def _watch(self, client: httpx.AsyncClient, version: str, on_objects: OnObjects) -> None:
         params = {
-            "labelSelector": self._selector,
+            "labelSelector": self.label_selector,
             "watch": "true",
             "resourceVersion": version,
             "allowWatchBookmarks": "true",
         }
-        async with client.stream("GET", self._path, params=params) as response:
+        async with client.stream("GET", self.path, params=params) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if not line.strip():
@@ -194,11 +207,44 @@ class EndpointSliceWatcher:
                     raise RuntimeError(f"watch error: {obj.get('message', obj)}")
                 if kind == "BOOKMARK":
                     continue
-                name = obj.get("metadata", {}).get("name")
-                if name is None:
+                key = object_key(obj)
+                if key is None:
                     continue
                 if kind == "DELETED":
-                    self._slices.pop(name, None)
+                    self._objects.pop(key, None)
                 else:
-                    self._slices[name] = obj
-                self._publish(on_endpoints)
+                    self._objects[key] = obj
+                on_objects(dict(self._objects))
+
+
+class EndpointSliceWatcher:
+    """The ready endpoints of one headless Service, from its EndpointSlices."""
+
+    def __init__(
+        self,
+        api: KubernetesApi,
+        service: ServiceRef,
+        *,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.service = service
+        self._watcher = LabelWatcher(
+            api,
+            collection_path("discovery.k8s.io/v1", "endpointslices", service.namespace),
+            f"kubernetes.io/service-name={service.name}",
+            retry_s=retry_s,
+        )
+
+    async def run(self, on_endpoints: OnEndpoints) -> None:
+        """Keep `on_endpoints` up to date until cancelled."""
+
+        def publish(slices: dict[ObjectKey, dict[str, Any]]) -> None:
+            every: list[str] = []
+            ready: list[str] = []
+            for endpoint_slice in slices.values():
+                e, r = slice_endpoints(endpoint_slice, self.service)
+                every += e
+                ready += r
+            on_endpoints(sorted(set(every)), sorted(set(ready)))
+
+        await self._watcher.run(publish)

@@ -26,8 +26,7 @@ from pydantic import SecretStr
 
 from servefleet.api.gateway_config import GatewayConfig, hash_api_key
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.discovery import KubernetesApi
-from servefleet.gateway.kube_watch import LabelWatcher, ObjectKey, collection_path
+from servefleet.gateway.discovery import KubernetesApi, LabelWatcher, ObjectKey, collection_path
 from servefleet.gateway.route_merge import (
     ROUTE_LABEL_SELECTOR,
     SECRETS_MOUNT,
