@@ -16,6 +16,15 @@ import pytest  # noqa: E402
 BUILTIN = "smollm2-135m-instruct"
 
 
+@pytest.fixture
+def require_compiler() -> None:
+    """The CPU kernels are part of the product: a machine that runs the tests needs `cc`."""
+    from servefleet.engine.kernels.cbuild import find_compiler
+
+    if find_compiler() is None:
+        pytest.fail("the CPU kernels need a C compiler (cc or gcc); install one")
+
+
 @pytest.fixture(scope="session")
 def smollm2():  # type: ignore[no-untyped-def]
     """The built-in model, loaded by our loader (float32, CPU)."""

@@ -12,8 +12,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
 
-from servefleet.engine.app import BuiltEngine
+from servefleet.engine.app import BuiltEngine, resolve_kv_cache_dtype
+from servefleet.engine.model.llama import kv_bytes_per_block
 from tests.support.engine_harness import make_engine
 from tests.support.http_server import serve_in_thread
 
@@ -207,7 +209,10 @@ def test_invalid_json_and_chat_errors(url: str) -> None:
 
 
 def test_request_bigger_than_the_cache_is_refused(smollm2) -> None:  # type: ignore[no-untyped-def]
-    small = make_engine(smollm2, kv_cache_memory=str(8 * 16 * 30 * 2 * 3 * 64 * 4))  # 8 blocks
+    kv_dtype = resolve_kv_cache_dtype("auto", torch.float32)
+    eight_blocks = 8 * kv_bytes_per_block(smollm2.config, 16, kv_dtype)
+    small = make_engine(smollm2, kv_cache_memory=str(eight_blocks))
+    assert small.kv_cache.num_blocks == 8
     try:
         with serve_in_thread(small) as base:
             r = httpx.post(
@@ -219,6 +224,33 @@ def test_request_bigger_than_the_cache_is_refused(smollm2) -> None:  # type: ign
         small.engine.stop()
     assert r.status_code == 400
     assert "KV-cache blocks" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_kv_cache_dtype_setting(smollm2, kv_cache_dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """Either cache dtype serves the same greedy answer; float16 holds twice the tokens."""
+    built = make_engine(smollm2, kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB")
+    try:
+        assert built.engine.runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+        per_token = 2 * 30 * 3 * 64 * (4 if kv_cache_dtype == "float32" else 2)
+        assert built.kv_cache.num_blocks == (64 << 20) // (16 * per_token)
+        with serve_in_thread(built) as base:
+            r = httpx.post(
+                f"{base}/v1/completions",
+                json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+                      "temperature": 0},
+                timeout=60,
+            )  # fmt: skip
+    finally:
+        built.engine.stop()
+    assert r.status_code == 200
+    assert "Paris" in r.json()["choices"][0]["text"]
+
+
+def test_auto_kv_cache_dtype() -> None:
+    assert resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32) == torch.float16
 
 
 def test_full_queue_answers_503_with_retry_after(smollm2) -> None:  # type: ignore[no-untyped-def]
@@ -333,3 +365,20 @@ def test_health_turns_unhealthy_when_a_step_stalls(smollm2) -> None:  # type: ig
             assert httpx.get(f"{base}/health").status_code == 200
     finally:
         stalled.engine.stop()
+
+
+def test_cli_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from servefleet.cli import engine_cmd
+    from servefleet.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    engine_cmd.add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--kv-cache-dtype", "float32", "--no-packed-weights"])
+    config = EngineConfig(**vars(args))
+    assert config.kv_cache_dtype == "float32" and config.packed_weights is False
+    defaults = EngineConfig(**vars(parser.parse_args(["--model", "m"])))
+    assert defaults.kv_cache_dtype == "auto" and defaults.packed_weights is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-cache-dtype", "int8"])

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
+from servefleet.engine.app import resolve_kv_cache_dtype
 from servefleet.engine.sampling_params import SamplingParams
 from tests.support.engine_harness import generate, generate_all, make_engine, wait_idle
 
@@ -96,9 +98,11 @@ def test_prefix_caching_on_and_off_match(smollm2, prompts, alone) -> None:  # ty
 
 
 def test_preempted_requests_resume_with_the_same_output(smollm2, prompts, alone) -> None:  # type: ignore[no-untyped-def]
-    # About 100 KB per 16-token block: 30 blocks cannot hold 16 sequences of ~45 tokens.
+    # 30 blocks of 16 tokens (in the default KV-cache dtype) cannot hold 16 sequences of
+    # ~45 tokens.
+    element = torch.empty(0, dtype=resolve_kv_cache_dtype("auto", torch.float32)).element_size()
     outputs, built = run_concurrently(
-        smollm2, prompts, kv_cache_memory=str(30 * 16 * 30 * 2 * 3 * 64 * 4)
+        smollm2, prompts, kv_cache_memory=str(30 * 16 * 30 * 2 * 3 * 64 * element)
     )
     assert built.engine.scheduler.num_preemptions > 0
     assert outputs == alone

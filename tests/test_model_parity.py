@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from servefleet.engine.app import resolve_kv_cache_dtype
 from servefleet.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from servefleet.engine.kernels import (
+    TORCH_MATMUL,
+    select_decode_kernel,
+    select_fused_ops,
+    select_matmul,
+)
 from servefleet.engine.model.builtin import resolve_builtin
 from servefleet.engine.model.conversion_cache import entry_dir
 from servefleet.engine.model.llama import LlamaForCausalLM, allocate_kv_cache
@@ -21,7 +28,11 @@ BLOCK_SIZE = 16
 
 
 def greedy_generate(
-    model: LlamaForCausalLM, prompt: list[int], max_new: int, eos: set[int]
+    model: LlamaForCausalLM,
+    prompt: list[int],
+    max_new: int,
+    eos: set[int],
+    kv_dtype: torch.dtype = torch.float32,
 ) -> list[int]:
     """One sequence through the paged path: a single prefill span, then decode steps.
 
@@ -29,7 +40,7 @@ def greedy_generate(
     """
     total = len(prompt) + max_new
     num_blocks = math.ceil(total / BLOCK_SIZE) + 1
-    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, kv_dtype, "cpu")
     block_table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
 
     def slots(positions: torch.Tensor) -> torch.Tensor:
@@ -119,15 +130,38 @@ def _prompts(tokenizer: object) -> list[list[int]]:
     return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts + RAW_PROMPTS]  # type: ignore[attr-defined]
 
 
+@pytest.fixture(params=["reference-path", "engine-defaults", "engine-float16-kv"])
+def configured(request: pytest.FixtureRequest, ours: LoadedModel) -> Iterator[torch.dtype]:
+    """The model as plain PyTorch with a float32 cache, or as `servefleet engine` runs it
+    on this machine by default (C matmuls on packed 4/8-bit weights, fused ops, decode
+    kernel, the default KV-cache dtype), or so with `--kv-cache-dtype float16`; yields
+    the KV-cache dtype."""
+    if request.param == "reference-path":
+        yield torch.float32
+        return
+    model = ours.model
+    assert model.packed_summary()["tensors"] == 4 * model.config.num_layers + 1
+    model.set_matmul(select_matmul("cpu"))
+    model.set_fused_ops(select_fused_ops("cpu"))
+    model.set_attention(PagedAttention(select_decode_kernel("cpu")[1]))
+    try:
+        kv = "float16" if request.param == "engine-float16-kv" else "auto"
+        yield resolve_kv_cache_dtype(kv, torch.float32)
+    finally:
+        model.set_matmul(TORCH_MATMUL)
+        model.set_fused_ops(None)
+        model.set_attention(PagedAttention())
+
+
 def test_greedy_tokens_match_transformers(
-    ours: LoadedModel, reference: tuple[object, object]
+    ours: LoadedModel, reference: tuple[object, object], configured: torch.dtype
 ) -> None:
     hf_model, hf_tokenizer = reference
     eos = set(ours.tokenizer.eos_token_ids)
     prompts = _prompts(hf_tokenizer)
     assert len(prompts) >= 8
     for prompt in prompts:
-        mine = greedy_generate(ours.model, prompt, NEW_TOKENS, eos)
+        mine = greedy_generate(ours.model, prompt, NEW_TOKENS, eos, configured)
         with torch.inference_mode():
             generated = hf_model.generate(  # type: ignore[attr-defined]
                 torch.tensor([prompt]),
@@ -196,4 +230,11 @@ def test_warm_start_reads_the_converted_cache(ours: LoadedModel, cache_root: Pat
     assert set(again.weights) == set(state)
     for name, tensor in again.weights.items():
         assert torch.equal(tensor, state[name]), name
+    # The packed 4/8-bit forms come back from the cache as they were written.
+    fresh = read_checkpoint("smollm2-135m-instruct", use_cache=False)
+    assert set(again.packed) == set(fresh.packed) and len(fresh.packed) == 121
+    for name, packed in fresh.packed.items():
+        cached = again.packed[name]
+        assert (cached.bits, cached.k, cached.n) == (packed.bits, packed.k, packed.n), name
+        assert torch.equal(cached.data, packed.data), name
     assert entry_dir(cache_root, resolve_builtin("smollm2-135m-instruct")) == entries[0]

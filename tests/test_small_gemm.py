@@ -37,12 +37,6 @@ IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 needs_compiler = pytest.mark.usefixtures("require_compiler")
 
 
-@pytest.fixture
-def require_compiler() -> None:
-    if not HAS_COMPILER:
-        pytest.fail("the CPU kernels need a C compiler (cc or gcc); install one")
-
-
 # (K, N): the SmolLM2 projections, plus sizes that are not multiples of the vector
 # width or of the kernels' register tiles.
 SHAPES = [(576, 960), (1536, 576), (17, 3), (100, 37), (129, 50), (33, 1), (1, 70), (300, 161)]

@@ -32,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1GiB",
         help="KV-cache bytes (2GiB, 512MB) or a fraction of free memory (0.3)",
     )
+    a(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="auto: the model's dtype; float16 halves what decode attention reads, but greedy "
+        "outputs may then differ in the last tokens between batch compositions",
+    )
     a("--max-num-seqs", type=int, default=64, help="sequences running at once")
     a("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     a("--max-queue-depth", type=int, default=256, help="waiting requests before 503")
@@ -50,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "cpu-c"],
         default="auto",
         help="projection matmuls: auto uses the C few-row kernels on CPU for decode steps",
+    )
+    a(
+        "--no-packed-weights",
+        dest="packed_weights",
+        action="store_false",
+        help="decode matmuls read float32 weights, not the checkpoint's 4/8-bit blocks",
     )
     a("--threads", type=int, default=None, help="torch CPU threads")
     a("--log-level", default="info")

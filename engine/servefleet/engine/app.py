@@ -23,7 +23,7 @@ import uvicorn
 from servefleet.engine.attention import PagedAttention
 from servefleet.engine.chat_template import ChatTemplate
 from servefleet.engine.config import EngineConfig, parse_memory
-from servefleet.engine.kernels import select_decode_kernel, select_matmul
+from servefleet.engine.kernels import select_decode_kernel, select_fused_ops, select_matmul
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
 from servefleet.engine.metrics import EngineMetrics
@@ -60,6 +60,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         # Without native bf16 units a CPU runs bf16 matmuls slower than float32.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`auto`: the model's dtype (as vLLM does).
+
+    float16 under a float32 model halves what decode attention reads and doubles the
+    tokens a budget holds, but it is opt-in: rounding keys and values to 11 bits turns
+    the last-bit differences between the decode kernels and MKL's prefill into visible
+    ones, so greedy outputs would no longer be the same alone and in a batch.
+    """
+    return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
 
 def kv_cache_bytes(setting: str, device: torch.device) -> int:
@@ -103,15 +117,24 @@ def load_for(config: EngineConfig) -> LoadedModel:
         device=str(device),
         attn_impl=PagedAttention(kernel),
         max_positions=config.max_model_len,
+        packed_weights=config.packed_weights and matmul.name != "torch",
     )
     loaded.model.set_matmul(matmul)
+    # The fused ops go with the C matmuls: --matmul torch keeps the model all-PyTorch.
+    fused = select_fused_ops(device) if matmul.name != "torch" else None
+    loaded.model.set_fused_ops(fused)
+    packed = loaded.model.packed_summary()
     log.info(
-        "model_loaded: model=%s dtype=%s device=%s decode_kernel=%s matmul=%s load_s=%.2f",
+        "model_loaded: model=%s dtype=%s device=%s decode_kernel=%s matmul=%s fused_ops=%s "
+        "packed_weights=%d packed_mb=%.1f load_s=%.2f",
         loaded.name,
         str(dtype).removeprefix("torch."),
         device,
         kernel_name,
         matmul.name,
+        fused is not None,
+        packed["tensors"],
+        packed["bytes"] / 1e6,
         time.monotonic() - t0,
     )
     return loaded
@@ -123,7 +146,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Bui
         torch.set_num_threads(config.threads)
     loaded = loaded or load_for(config)
     device = next(loaded.model.parameters()).device
-    dtype = next(loaded.model.parameters()).dtype
+    dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
     max_model_len = min(
         config.max_model_len or loaded.config.max_position_embeddings,
         loaded.config.max_position_embeddings,
@@ -138,10 +161,12 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Bui
         )
     kv_caches = allocate_kv_cache(loaded.config, num_blocks, config.block_size, dtype, device)
     log.info(
-        "kv_cache: blocks=%d tokens=%d bytes=%d block_size=%d max_model_len=%d prefix_caching=%s",
+        "kv_cache: blocks=%d tokens=%d bytes=%d dtype=%s block_size=%d max_model_len=%d "
+        "prefix_caching=%s",
         num_blocks,
         num_blocks * config.block_size,
         num_blocks * per_block,
+        str(dtype).removeprefix("torch."),
         config.block_size,
         max_model_len,
         config.enable_prefix_caching,

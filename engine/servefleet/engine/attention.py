@@ -65,8 +65,10 @@ def torch_paged_decode(
     visible = positions[None, :] < context_lens.to(q.device)[:, None].long()
     group = num_heads // num_kv_heads
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    # A cache narrower than q (float16 under a float32 model) is widened, never q narrowed.
+    dtype = torch.promote_types(q.dtype, k.dtype)
     out = F.scaled_dot_product_attention(
-        qg.to(k.dtype), k, v, attn_mask=visible[:, None, None, :], scale=scale
+        qg.to(dtype), k.to(dtype), v.to(dtype), attn_mask=visible[:, None, None, :], scale=scale
     )
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
@@ -82,9 +84,10 @@ def prefill_attention(
     num_tokens, num_heads = q.shape[0], q.shape[1]
     num_kv_heads = k_cache.shape[2]
     context = span.num_cached + num_tokens
-    k = k_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1)
-    v = v_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1)
-    qh = q.transpose(0, 1).to(k.dtype)
+    dtype = torch.promote_types(q.dtype, k_cache.dtype)
+    k = k_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(dtype)
+    v = v_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(dtype)
+    qh = q.transpose(0, 1).to(dtype)
     gqa = num_heads != num_kv_heads
     if span.num_cached == 0:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -116,6 +119,17 @@ class PagedAttention:
         kvh, hd = k.shape[1], k.shape[2]
         k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention over caches that already hold this step's keys and values."""
         if not meta.prefills:
             assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
             return self.decode_kernel(
@@ -126,7 +140,7 @@ class PagedAttention:
                 meta.decode_context_lens,
                 scale,
             )
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
             out[: meta.num_decodes] = self.decode_kernel(

@@ -43,6 +43,10 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str = Field(
         default="1GiB", description="Bytes for the KV cache, or a fraction of free memory."
     )
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto",
+        description="auto: the model's dtype; float16 halves attention reads, not batch-invariant.",
+    )
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     max_queue_depth: int = Field(default=256, ge=0)
@@ -53,6 +57,10 @@ class EngineConfig(BaseModel):
     decode_kernel: Literal["auto", "torch", "cpu-c", "triton"] = "auto"
     matmul: Literal["auto", "torch", "cpu-c"] = Field(
         default="auto", description="Projection matmuls: auto = C few-row kernels on CPU."
+    )
+    packed_weights: bool = Field(
+        default=True,
+        description="Decode matmuls read a quantized checkpoint's 4/8-bit blocks (CPU, float32).",
     )
     threads: int | None = Field(default=None, ge=1)
     log_level: str = "info"

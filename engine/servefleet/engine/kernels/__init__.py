@@ -14,6 +14,7 @@ from typing import Literal, cast
 import torch
 
 from servefleet.engine.attention import DecodeKernel, torch_paged_decode
+from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 from servefleet.engine.kernels.cpu_paged_decode import load_cpu_paged_decode
 from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm, load_cpu_small_gemm
 from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul, TorchMatmul
@@ -104,6 +105,13 @@ def select_small_mm(device: torch.device | str) -> CpuSmallGemm | None:
     return load_cpu_small_gemm()
 
 
+def select_fused_ops(device: torch.device | str) -> CpuFusedOps | None:
+    """The fused C rms_norm / RoPE+KV-write ops where they run (CPU with a compiler)."""
+    if torch.device(device).type != "cpu":
+        return None
+    return load_cpu_fused_ops()
+
+
 def _small_rows(kernel: CpuSmallGemm) -> SmallRowsMatmul:
     return SmallRowsMatmul(kernel, max_rows=SMALL_MM_MAX_ROWS)
 
@@ -141,6 +149,7 @@ __all__ = [
     "MATMUL_NAMES",
     "SMALL_MM_MAX_ROWS",
     "TORCH_MATMUL",
+    "CpuFusedOps",
     "CpuSmallGemm",
     "DecodeKernel",
     "KernelName",
@@ -150,6 +159,7 @@ __all__ = [
     "SmallRowsMatmul",
     "TorchMatmul",
     "select_decode_kernel",
+    "select_fused_ops",
     "select_matmul",
     "select_small_mm",
     "torch_paged_decode",

@@ -16,6 +16,9 @@
  */
 #include <float.h>
 #include <stdint.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,18 +38,23 @@
 #define SF_ERR_CONTEXT_LEN 1
 #define SF_ERR_BLOCK_ID 2
 #define SF_ERR_NO_MEMORY 3
+#define SF_ERR_CACHE_KIND 4
 
 typedef struct {
     const float *q;             /* [D, H, hd], float32 */
-    const void *k_cache;        /* [NB, BS, kvh, hd], float32 or bf16 */
+    const void *k_cache;        /* [NB, BS, kvh, hd], float32, bf16 or fp16 */
     const void *v_cache;
     const int32_t *block_tables; /* [D, max_blocks] */
     const int32_t *context_lens; /* [D] */
     float *out;                 /* [D, H, hd], float32 */
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks;
     float scale;
-    int cache_is_bf16;
+    int cache_kind; /* SF_CACHE_* */
 } sf_args;
+
+#define SF_CACHE_F32 0
+#define SF_CACHE_BF16 1
+#define SF_CACHE_F16 2
 
 /* exp(x) for x <= 0 (always the case after subtracting the running max).
  * Branch-free so loops over it vectorise; relative error ~2e-7, results below
@@ -87,6 +95,31 @@ static inline float sf_hsum16(sf_v16 v) {
     return s;
 }
 
+/* Lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15
+ * shuffle pairs for 16 vectors) instead of 16 separate horizontal sums. */
+static inline sf_v16 sf_hsum16x16(const sf_v16 v[16]) {
+    sf_v16 c[8], e[4], g[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: 8 partials of v[2i], 8-15: of v[2i+1] */
+        c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* 4 partials each of 4 vectors */
+        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* 2 partials each of 8 vectors */
+        g[i] = __builtin_shufflevector(e[2 * i], e[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(e[2 * i], e[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+
 /* Widen `n` bf16 rows (stride `stride` elements) to a dense float32 [n][hd] buffer. */
 static inline void sf_widen_rows(const uint16_t *src, int64_t stride, int64_t n, int64_t hd,
                                  float *restrict dst) {
@@ -100,6 +133,50 @@ static inline void sf_widen_rows(const uint16_t *src, int64_t stride, int64_t n,
     }
 }
 
+/* IEEE half -> float, exactly (normals, subnormals, inf, nan): the compiler's _Float16
+ * where it has one, else bit arithmetic (-DSF_NO_FLOAT16 forces that path). */
+static inline float sf_half_to_float(uint16_t h) {
+#if defined(__FLT16_MAX__) && !defined(SF_NO_FLOAT16)
+    _Float16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    union { uint32_t u; float f; } bits;
+    if (exp == 0) { /* zero or subnormal: mant × 2^-24 */
+        bits.f = (float)mant * 5.9604644775390625e-8f;
+        bits.u |= sign;
+    } else if (exp == 31) {
+        bits.u = sign | 0x7F800000u | (mant << 13);
+    } else {
+        bits.u = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    return bits.f;
+#endif
+}
+
+/* Widen `n` fp16 rows (stride `stride` elements) to a dense float32 [n][hd] buffer,
+ * with the conversion instructions where the target has them (exact either way). */
+static inline void sf_widen_rows_f16(const uint16_t *src, int64_t stride, int64_t n, int64_t hd,
+                                     float *restrict dst) {
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *row = src + t * stride;
+        int64_t d = 0;
+#if defined(SF_NO_FLOAT16) /* the portable conversion only (tests build it this way too) */
+#elif defined(__AVX512F__)
+        for (; d + 16 <= hd; d += 16)
+            _mm512_storeu_ps(dst + t * hd + d,
+                             _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + d))));
+#elif defined(__F16C__)
+        for (; d + 8 <= hd; d += 8)
+            _mm256_storeu_ps(dst + t * hd + d,
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + d))));
+#endif
+        for (; d < hd; d++) dst[t * hd + d] = sf_half_to_float(row[d]);
+    }
+}
+
 /* scores[t] = q . k_t for n rows of k (stride in floats). */
 static inline __attribute__((always_inline)) void sf_scores(
     const float *restrict q, const float *restrict k, int64_t stride, int64_t n,
@@ -109,7 +186,17 @@ static inline __attribute__((always_inline)) void sf_scores(
         const int nv = (int)(hd / 16);
         sf_v16 qv[MAXV];
         for (int j = 0; j < nv; j++) qv[j] = sf_load16(q + 16 * j);
-        for (int64_t t = 0; t < n; t++) {
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) { /* a full block: 16 dot products, one reduction */
+            sf_v16 acc[16];
+            for (int r = 0; r < 16; r++) {
+                const float *row = k + (t + r) * stride;
+                acc[r] = qv[0] * sf_load16(row);
+                for (int j = 1; j < nv; j++) acc[r] += qv[j] * sf_load16(row + 16 * j);
+            }
+            sf_store16(scores + t, sf_hsum16x16(acc));
+        }
+        for (; t < n; t++) {
             const float *row = k + t * stride;
             sf_v16 acc = qv[0] * sf_load16(row);
             for (int j = 1; j < nv; j++) acc += qv[j] * sf_load16(row + 16 * j);
@@ -162,10 +249,39 @@ static inline void sf_prefetch_block(const char *k, const char *v, int64_t rows,
     }
 }
 
-/* One (sequence, kv head). `hd` and `bf16` are compile-time constants at the
+/* n rows of k and v (stride in floats) for every query head of the group: scores, the
+ * online softmax (alpha rescales what was accumulated when the max grows), then the
+ * weighted sum of values. */
+static inline __attribute__((always_inline)) void sf_attend_chunk(
+    const float *k, const float *v, int64_t stride, int64_t n, int64_t group, const int64_t hd,
+    const float *qs, float *acc, float *scores, float *run_max, float *run_sum, float *alpha) {
+    /* scores for every query head of the group (rows stay in L1 across heads) */
+    for (int64_t g = 0; g < group; g++) {
+        sf_scores(qs + g * hd, k, stride, n, hd, scores + g * SF_CHUNK);
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * SF_CHUNK;
+        float chunk_max = sg[0];
+        for (int64_t t = 1; t < n; t++) chunk_max = sg[t] > chunk_max ? sg[t] : chunk_max;
+        const float new_max = chunk_max > run_max[g] ? chunk_max : run_max[g];
+        alpha[g] = new_max > run_max[g] ? sf_exp_nonpos(run_max[g] - new_max) : 1.0f;
+        run_max[g] = new_max;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            sg[t] = sf_exp_nonpos(sg[t] - new_max);
+            sum += sg[t];
+        }
+        run_sum[g] = run_sum[g] * alpha[g] + sum;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        sf_accumulate(acc + g * hd, alpha[g], scores + g * SF_CHUNK, v, stride, n, hd);
+    }
+}
+
+/* One (sequence, kv head). `hd` and `kind` are compile-time constants at the
  * specialised call sites below, so the inner loops fully vectorise. */
 static inline __attribute__((always_inline)) int sf_attend_one(
-    const sf_args *a, int64_t seq, int64_t kv_head, const int64_t hd, const int bf16,
+    const sf_args *a, int64_t seq, int64_t kv_head, const int64_t hd, const int kind,
     float *work) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     const int64_t bs = a->block_size;
@@ -177,8 +293,8 @@ static inline __attribute__((always_inline)) int sf_attend_one(
     float *qs = work;                          /* [group, hd]   scaled queries */
     float *acc = qs + group * hd;              /* [group, hd]   unnormalised output */
     float *scores = acc + group * hd;          /* [group, SF_CHUNK] */
-    float *kbuf = scores + group * SF_CHUNK;   /* [SF_CHUNK, hd] widened bf16 keys */
-    float *vbuf = kbuf + SF_CHUNK * hd;        /* [SF_CHUNK, hd] widened bf16 values */
+    float *kbuf = scores + group * SF_CHUNK;   /* [SF_CHUNK, hd] widened 16-bit keys */
+    float *vbuf = kbuf + SF_CHUNK * hd;        /* [SF_CHUNK, hd] widened 16-bit values */
     float run_max[group], run_sum[group], alpha[group];
 
     const float *q = a->q + (seq * a->num_heads + kv_head * group) * hd;
@@ -192,7 +308,7 @@ static inline __attribute__((always_inline)) int sf_attend_one(
     }
 
     const int32_t *table = a->block_tables + seq * a->max_blocks;
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t elem = kind == SF_CACHE_F32 ? 4 : 2;
     const char *kbase = (const char *)a->k_cache + kv_head * hd * elem;
     const char *vbase = (const char *)a->v_cache + kv_head * hd * elem;
     const int64_t num_table_blocks = (len + bs - 1) / bs;
@@ -218,9 +334,17 @@ static inline __attribute__((always_inline)) int sf_attend_one(
             const int64_t n = in_block - c0 < SF_CHUNK ? in_block - c0 : SF_CHUNK;
             const float *k, *v;
             int64_t stride;
-            if (bf16) {
+            if (kind == SF_CACHE_BF16) {
                 sf_widen_rows((const uint16_t *)kblock + c0 * row_stride, row_stride, n, hd, kbuf);
                 sf_widen_rows((const uint16_t *)vblock + c0 * row_stride, row_stride, n, hd, vbuf);
+                k = kbuf;
+                v = vbuf;
+                stride = hd;
+            } else if (kind == SF_CACHE_F16) {
+                sf_widen_rows_f16((const uint16_t *)kblock + c0 * row_stride, row_stride, n, hd,
+                                  kbuf);
+                sf_widen_rows_f16((const uint16_t *)vblock + c0 * row_stride, row_stride, n, hd,
+                                  vbuf);
                 k = kbuf;
                 v = vbuf;
                 stride = hd;
@@ -229,31 +353,7 @@ static inline __attribute__((always_inline)) int sf_attend_one(
                 v = (const float *)vblock + c0 * row_stride;
                 stride = row_stride;
             }
-
-            /* scores for every query head of the group (rows stay in L1 across heads) */
-            for (int64_t g = 0; g < group; g++) {
-                sf_scores(qs + g * hd, k, stride, n, hd, scores + g * SF_CHUNK);
-            }
-
-            /* online softmax: alpha rescales what was accumulated when the max grows */
-            for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * SF_CHUNK;
-                float chunk_max = sg[0];
-                for (int64_t t = 1; t < n; t++) chunk_max = sg[t] > chunk_max ? sg[t] : chunk_max;
-                const float new_max = chunk_max > run_max[g] ? chunk_max : run_max[g];
-                alpha[g] = new_max > run_max[g] ? sf_exp_nonpos(run_max[g] - new_max) : 1.0f;
-                run_max[g] = new_max;
-                float sum = 0.0f;
-                for (int64_t t = 0; t < n; t++) {
-                    sg[t] = sf_exp_nonpos(sg[t] - new_max);
-                    sum += sg[t];
-                }
-                run_sum[g] = run_sum[g] * alpha[g] + sum;
-            }
-
-            for (int64_t g = 0; g < group; g++) {
-                sf_accumulate(acc + g * hd, alpha[g], scores + g * SF_CHUNK, v, stride, n, hd);
-            }
+            sf_attend_chunk(k, v, stride, n, group, hd, qs, acc, scores, run_max, run_sum, alpha);
         }
     }
 
@@ -269,11 +369,17 @@ static int sf_attend_task(const sf_args *a, int64_t task, float *work) {
     const int64_t seq = task / a->num_kv_heads;
     const int64_t kv_head = task % a->num_kv_heads;
     const int64_t hd = a->head_dim;
-    if (a->cache_is_bf16) {
-        if (hd == 32) return sf_attend_one(a, seq, kv_head, 32, 1, work);
-        if (hd == 64) return sf_attend_one(a, seq, kv_head, 64, 1, work);
-        if (hd == 128) return sf_attend_one(a, seq, kv_head, 128, 1, work);
-        return sf_attend_one(a, seq, kv_head, hd, 1, work);
+    if (a->cache_kind == SF_CACHE_BF16) {
+        if (hd == 32) return sf_attend_one(a, seq, kv_head, 32, SF_CACHE_BF16, work);
+        if (hd == 64) return sf_attend_one(a, seq, kv_head, 64, SF_CACHE_BF16, work);
+        if (hd == 128) return sf_attend_one(a, seq, kv_head, 128, SF_CACHE_BF16, work);
+        return sf_attend_one(a, seq, kv_head, hd, SF_CACHE_BF16, work);
+    }
+    if (a->cache_kind == SF_CACHE_F16) {
+        if (hd == 32) return sf_attend_one(a, seq, kv_head, 32, SF_CACHE_F16, work);
+        if (hd == 64) return sf_attend_one(a, seq, kv_head, 64, SF_CACHE_F16, work);
+        if (hd == 128) return sf_attend_one(a, seq, kv_head, 128, SF_CACHE_F16, work);
+        return sf_attend_one(a, seq, kv_head, hd, SF_CACHE_F16, work);
     }
     if (hd == 32) return sf_attend_one(a, seq, kv_head, 32, 0, work);
     if (hd == 64) return sf_attend_one(a, seq, kv_head, 64, 0, work);
@@ -318,14 +424,15 @@ static void *sf_worker_main(void *p) {
 int sf_threading_mode(void) { return SF_THREADING; }
 
 int sf_paged_decode(const float *q, const void *k_cache, const void *v_cache,
-                    int cache_is_bf16, const int32_t *block_tables,
+                    int cache_kind, const int32_t *block_tables,
                     const int32_t *context_lens, float *out, int64_t num_seqs,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, int64_t num_blocks, int64_t max_blocks, float scale,
                     int num_threads) {
     sf_args a = {q, k_cache, v_cache, block_tables, context_lens, out,
                  num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-                 max_blocks, scale, cache_is_bf16};
+                 max_blocks, scale, cache_kind};
+    if (cache_kind < SF_CACHE_F32 || cache_kind > SF_CACHE_F16) return SF_ERR_CACHE_KIND;
     const int64_t num_tasks = num_seqs * num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > num_tasks) num_threads = (int)(num_tasks > 0 ? num_tasks : 1);

@@ -47,10 +47,13 @@ OPTIMISE_FLAGS = (
     "-ffp-contract=fast",
 )
 
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 ERROR_MESSAGES = {
     1: "a context length is < 1 or larger than max_blocks * block_size",
     2: "a block table entry (within a sequence's context) is outside [0, num_blocks)",
     3: "out of memory for the kernel's scratch space",
+    4: "unsupported KV-cache dtype",
 }
 
 
@@ -64,7 +67,7 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     ctypes.c_void_p,  # q (float32)
     ctypes.c_void_p,  # k_cache
     ctypes.c_void_p,  # v_cache
-    ctypes.c_int,  # cache_is_bf16
+    ctypes.c_int,  # cache kind: 0 float32, 1 bfloat16, 2 float16
     ctypes.c_void_p,  # block_tables
     ctypes.c_void_p,  # context_lens
     ctypes.c_void_p,  # out (float32)
@@ -106,7 +109,7 @@ class CpuPagedDecode:
             q32.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16),
+            CACHE_KINDS[k_cache.dtype],
             block_tables.data_ptr(),
             context_lens.data_ptr(),
             out.data_ptr(),

@@ -14,12 +14,13 @@ import logging
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from servefleet.engine.kernels import cbuild
 from servefleet.engine.kernels.cbuild import KernelBuildError
+from servefleet.engine.kernels.packed_weights import PackedWeight
 
 logger = logging.getLogger("servefleet.engine.kernels")
 
@@ -48,6 +49,16 @@ _ARGTYPES = [
     ctypes.c_int64,  # M
     ctypes.c_int64,  # K
     ctypes.c_int64,  # N
+    ctypes.c_int,  # num_threads
+]
+_PACKED_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    ctypes.c_void_p,  # x [M, K]
+    ctypes.c_void_p,  # packed W [K, N]
+    ctypes.c_void_p,  # out [M, N]
+    ctypes.c_int64,  # M
+    ctypes.c_int64,  # K
+    ctypes.c_int64,  # N
+    ctypes.c_int,  # bits
     ctypes.c_int,  # num_threads
 ]
 
@@ -99,6 +110,21 @@ class CpuSmallGemm:
         _check(x, weight_out_in, 1, "small_linear")
         return self.linear_unchecked(x, weight_out_in)
 
+    def packed_mm(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        """x [M, K] @ W [K, N] with W packed (`packed_weights.pack`)."""
+        if not (
+            x.dim() == 2
+            and x.dtype == torch.float32
+            and x.is_cpu
+            and x.is_contiguous()
+            and x.shape[1] == weight.k
+        ):
+            raise ValueError(
+                f"packed_mm: x must be contiguous float32 [M, {weight.k}] on the CPU, "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
+        return self.packed_mm_unchecked(x, weight)
+
     # The unchecked forms are for callers that already checked dtype, device, contiguity
     # and shapes (see matmul.SmallRowsMatmul): a decode step makes ~120 of these calls.
 
@@ -120,6 +146,23 @@ class CpuSmallGemm:
         )
         return out
 
+    def packed_mm_unchecked(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        m = x.shape[0]
+        out = torch.empty(m, weight.n)
+        status = self.library.sf_packed_mm(
+            x.data_ptr(),
+            weight.data.data_ptr(),
+            out.data_ptr(),
+            m,
+            weight.k,
+            weight.n,
+            weight.bits,
+            _threads(),
+        )
+        if status:
+            raise ValueError(f"packed_mm: {weight.bits}-bit weight with k={weight.k} rejected")
+        return out
+
 
 _threads = torch.get_num_threads
 
@@ -135,6 +178,8 @@ def _open(path: Path, threading: GemmThreading) -> ctypes.CDLL:
         function = getattr(library, name)
         function.argtypes = _ARGTYPES
         function.restype = None
+    library.sf_packed_mm.argtypes = _PACKED_ARGTYPES
+    library.sf_packed_mm.restype = ctypes.c_int
     library.sf_gemm_isa.restype = ctypes.c_int
     return library
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -14,18 +14,20 @@ import hashlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 
+from servefleet.engine.kernels.packed_weights import PackedWeight, packed_from_tensor
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.tokenizer import Tokenizer
 
-# Bump whenever the conversion's output changes (names, un-permutation, tokenizer build).
-CONVERTER_VERSION = 2
+# Bump whenever the conversion's output changes (names, un-permutation, tokenizer build,
+# packed weights).
+CONVERTER_VERSION = 3
 CACHE_DIR_ENV = "SERVEFLEET_CACHE_DIR"
 _SAMPLE_BYTES = 1 << 20
 
@@ -39,6 +41,14 @@ class Checkpoint:
     tokenizer: Tokenizer
     chat_template: str | None
     name: str
+    # Quantized forms of some weights for the packed CPU matmuls (`fuse_packed_weights`).
+    packed: dict[str, PackedWeight] = field(default_factory=dict)
+
+
+class PackedMeta(BaseModel):
+    bits: int
+    k: int
+    n: int
 
 
 class CacheEntryMeta(BaseModel):
@@ -46,6 +56,7 @@ class CacheEntryMeta(BaseModel):
     source: str
     name: str
     chat_template: str | None
+    packed: dict[str, PackedMeta] = {}
 
 
 def default_cache_root() -> Path:
@@ -80,12 +91,17 @@ def read_entry(directory: Path) -> Checkpoint | None:
     if meta.converter_version != CONVERTER_VERSION:
         return None
     config = ModelConfig.model_validate_json((directory / "config.json").read_text("utf-8"))
+    packed_tensors = load_file(str(directory / "packed.safetensors")) if meta.packed else {}
     return Checkpoint(
         config=config,
         weights=load_file(str(directory / "weights.safetensors")),
         tokenizer=Tokenizer.load(directory),
         chat_template=meta.chat_template,
         name=meta.name,
+        packed={
+            name: packed_from_tensor(m.bits, m.k, m.n, packed_tensors[name])
+            for name, m in meta.packed.items()
+        },
     )
 
 
@@ -96,6 +112,9 @@ def write_entry(directory: Path, source: Path, checkpoint: Checkpoint) -> None:
     try:
         weights = {k: v.contiguous() for k, v in checkpoint.weights.items()}
         save_file(weights, str(staging / "weights.safetensors"))
+        if checkpoint.packed:
+            packed = {k: v.data.contiguous() for k, v in checkpoint.packed.items()}
+            save_file(packed, str(staging / "packed.safetensors"))
         (staging / "config.json").write_text(checkpoint.config.model_dump_json(), "utf-8")
         checkpoint.tokenizer.save(staging)
         meta = CacheEntryMeta(
@@ -103,6 +122,7 @@ def write_entry(directory: Path, source: Path, checkpoint: Checkpoint) -> None:
             source=str(source),
             name=checkpoint.name,
             chat_template=checkpoint.chat_template,
+            packed={k: PackedMeta(bits=v.bits, k=v.k, n=v.n) for k, v in checkpoint.packed.items()},
         )
         # meta.json last: its presence marks a complete entry.
         (staging / "meta.json").write_text(meta.model_dump_json(), "utf-8")

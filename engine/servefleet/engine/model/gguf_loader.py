@@ -17,6 +17,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from servefleet.engine.kernels.packed_weights import (
+    GGUF_BLOCK_FORMATS,
+    BlockQuantized,
+    from_gguf_blocks,
+)
 from servefleet.engine.model.config import ModelConfig
 
 # Architectures whose GGUF converter permutes q/k for llama.cpp's rope.
@@ -108,6 +113,32 @@ def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torc
             value = unpermute_rope(value, config.num_kv_heads)
         weights[name] = value
     return weights
+
+
+def read_gguf_block_quantized(reader: GGUFReader, config: ModelConfig) -> dict[str, BlockQuantized]:
+    """The 2-D tensors stored in a packable block format (Q4_0, Q4_1, Q8_0), as integers
+    and scales under HF names, with q/k rows un-permuted like `read_gguf_weights`."""
+    field = reader.fields.get("general.architecture")
+    permuted = (field.contents() if field is not None else None) in _PERMUTED_ARCHITECTURES
+    quantized: dict[str, BlockQuantized] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None or tensor.tensor_type.name not in GGUF_BLOCK_FORMATS:
+            continue
+        if len(tensor.shape) != 2:
+            continue
+        cols, rows = (int(d) for d in tensor.shape.tolist())
+        weight = from_gguf_blocks(tensor.tensor_type.name, tensor.data, rows, cols)
+        heads = None
+        if permuted and ".self_attn.q_proj." in name:
+            heads = config.num_heads
+        elif permuted and ".self_attn.k_proj." in name:
+            heads = config.num_kv_heads
+        if heads is not None:
+            order = unpermute_rope(torch.arange(rows), heads).numpy()
+            weight = weight.permute_rows(order)
+        quantized[name] = weight
+    return quantized
 
 
 def rope_freq_factors(reader: GGUFReader) -> tuple[float, ...] | None:

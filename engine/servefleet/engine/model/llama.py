@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from servefleet.engine.attention import AttentionMetadata, PagedAttention
+from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps
 from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul
+from servefleet.engine.kernels.packed_weights import (
+    BlockQuantized,
+    PackedWeight,
+    PackingError,
+    concat_rows,
+    pack,
+)
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.rope import rope_table
 
@@ -58,6 +66,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = _weight(hidden, factory=factory, fill=1.0)
         self.gate_up_weight = _weight(hidden, 2 * config.intermediate_size, factory=factory)
         self.down_weight = _weight(config.intermediate_size, hidden, factory=factory)
+        # Packed (quantized) forms of the projections, by parameter name, when the
+        # checkpoint had them: the matmul backend may read these instead (same values).
+        self.packed: dict[str, PackedWeight] = {}
 
     def forward(
         self,
@@ -70,7 +81,8 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.rms_norm(hidden, self.input_norm.shape, self.input_norm, self.eps)
-        qkv = self.matmul.mm(x, self.qkv_weight, self.qkv_bias)
+        packed = self.packed
+        qkv = self.matmul.mm(x, self.qkv_weight, self.qkv_bias, packed.get("qkv_weight"))
         qk = qkv[:, : (heads + kv_heads) * hd].view(num_tokens, heads + kv_heads, hd)
         v = qkv[:, (heads + kv_heads) * hd :].view(num_tokens, kv_heads, hd)
         half = hd // 2
@@ -79,11 +91,49 @@ class DecoderLayer(nn.Module):
         attn = self.attn_impl(
             qk[:, :heads], qk[:, heads:], v, kv_cache[0], kv_cache[1], meta, self.scale
         )
-        attn_out = self.matmul.mm(attn.reshape(num_tokens, heads * hd), self.o_weight, self.o_bias)
+        attn_out = self.matmul.mm(
+            attn.reshape(num_tokens, heads * hd), self.o_weight, self.o_bias, packed.get("o_weight")
+        )
         hidden = hidden + attn_out
         x = F.rms_norm(hidden, self.post_attn_norm.shape, self.post_attn_norm, self.eps)
-        gate, up = self.matmul.mm(x, self.gate_up_weight).chunk(2, dim=-1)
-        return hidden + self.matmul.mm(F.silu(gate) * up, self.down_weight)
+        gate_up = self.matmul.mm(x, self.gate_up_weight, None, packed.get("gate_up_weight"))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return hidden + self.matmul.mm(
+            F.silu(gate) * up, self.down_weight, None, packed.get("down_weight")
+        )
+
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        ops: CpuFusedOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the residual carried as (hidden, delta) and the small ops fused:
+        the previous layer's output is hidden + delta; this returns its own pair."""
+        num_tokens = hidden.shape[0]
+        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        packed = self.packed
+        x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
+        qkv = self.matmul.mm(x, self.qkv_weight, self.qkv_bias, packed.get("qkv_weight"))
+        if not qkv.is_contiguous():  # rope_kv_unchecked writes through raw pointers
+            qkv = qkv.contiguous()
+        ops.rope_kv_unchecked(  # the model checked the step's tensors once (forward)
+            qkv, heads, kv_heads, hd, positions, rope[0], rope[1],
+            kv_cache[0], kv_cache[1], meta.slot_mapping,
+        )  # fmt: skip
+        q = qkv[:, : heads * hd].view(num_tokens, heads, hd)
+        attn = self.attn_impl.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn_out = self.matmul.mm(
+            attn.reshape(num_tokens, heads * hd), self.o_weight, self.o_bias, packed.get("o_weight")
+        )
+        x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
+        gate_up = self.matmul.mm(x, self.gate_up_weight, None, packed.get("gate_up_weight"))
+        act = ops.silu_mul(gate_up)
+        return hidden, self.matmul.mm(act, self.down_weight, None, packed.get("down_weight"))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else _weight(vocab, hidden, factory=factory)
         )
+        self.packed_lm_head: PackedWeight | None = None
+        self.fused_ops: CpuFusedOps | None = None
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -129,6 +181,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.attn_impl = attn_impl
+
+    def set_fused_ops(self, ops: CpuFusedOps | None) -> None:
+        """Use the fused C ops (rms_norm, RoPE + KV write) where the tensors allow it."""
+        self.fused_ops = ops
 
     def set_matmul(self, matmul: Matmul) -> None:
         """Swap the matmul backend (e.g. the C few-row kernels on CPU); weight layouts stay."""
@@ -150,6 +206,26 @@ class LlamaForCausalLM(nn.Module):
         ):
             self._build_rope()
         hidden = F.embedding(input_ids, self.embed_tokens)
+        ops = self.fused_ops
+        if (
+            ops is not None
+            and ops.supports(hidden, self.rope_cos)
+            and all(ops.supports_cache(c) for c in kv_caches[0])
+        ):
+            delta: torch.Tensor | None = None
+            rope = (self.rope_cos, self.rope_sin)
+            config = self.config
+            ops.check_rope_kv(
+                hidden.shape[0], (config.num_heads + 2 * config.num_kv_heads) * config.head_dim,
+                config.num_heads, config.num_kv_heads, config.head_dim,
+                positions, rope[0], rope[1], kv_caches, meta.slot_mapping,
+            )  # fmt: skip
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                assert isinstance(layer, DecoderLayer)
+                hidden, delta = layer.forward_fused(
+                    hidden, delta, positions, rope, kv_cache, meta, ops
+                )
+            return ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -159,7 +235,44 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.matmul.linear(hidden, weight).float()
+        return self.matmul.linear(hidden, weight, self.packed_lm_head).float()
+
+    def attach_packed(self, packed: Mapping[str, PackedWeight]) -> None:
+        """Adopt packed forms of float32 weights (`fuse_packed_weights` names).
+
+        Only float32 CPU models take them: the packed kernels compute in float32, and
+        they return exactly what the float32 weights give.
+        """
+        if self.norm.dtype != torch.float32 or self.norm.device.type != "cpu":
+            return
+        params = dict(self.named_parameters())
+        for name, weight in packed.items():
+            dense = self.embed_tokens if name == "lm_head" and self.lm_head is None else None
+            dense = dense if dense is not None else params.get(name)
+            if dense is None:
+                raise MissingWeightError(f"packed weight {name!r} has no float32 counterpart")
+            k, n = (dense.shape[1], dense.shape[0]) if name == "lm_head" else dense.shape
+            if (weight.k, weight.n) != (k, n):
+                raise PackingError(
+                    f"packed {name!r} is [{weight.k}, {weight.n}], the model's weight [{k}, {n}]"
+                )
+            if name == "lm_head":
+                self.packed_lm_head = weight
+            else:
+                layer_index, _, param = name.removeprefix("layers.").partition(".")
+                layer = self.layers[int(layer_index)]
+                assert isinstance(layer, DecoderLayer)
+                layer.packed[param] = weight
+
+    def packed_summary(self) -> dict[str, int]:
+        """Packed weights attached: how many, and their bytes."""
+        weights: list[PackedWeight] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            weights.extend(layer.packed.values())
+        if self.packed_lm_head is not None:
+            weights.append(self.packed_lm_head)
+        return {"tensors": len(weights), "bytes": sum(w.nbytes for w in weights)}
 
     @torch.no_grad()
     def load_weights(
@@ -224,6 +337,36 @@ def fuse_hf_weights(
         )
         state[ours + "down_weight"] = _in_out(take(hf + "mlp.down_proj.weight"))
     return state
+
+
+def fuse_packed_weights(
+    config: ModelConfig, quantized: Mapping[str, BlockQuantized]
+) -> dict[str, PackedWeight]:
+    """Block-quantized HF tensors -> packed forms under this module's parameter names.
+
+    A fused projection is packed only when all its parts share one block format; the
+    lm_head ("lm_head") comes from the embedding when the two are tied.
+    """
+    packed: dict[str, PackedWeight] = {}
+
+    def add(ours: str, names: list[str]) -> None:
+        parts = [quantized.get(n) for n in names]
+        if any(p is None for p in parts):
+            return
+        fused = concat_rows([p for p in parts if p is not None])
+        if fused is not None:
+            packed[ours] = pack(fused)
+
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    add("lm_head", [head])
+    for index in range(config.num_layers):
+        hf = f"model.layers.{index}."
+        ours = f"layers.{index}."
+        add(ours + "qkv_weight", [f"{hf}self_attn.{p}_proj.weight" for p in ("q", "k", "v")])
+        add(ours + "o_weight", [hf + "self_attn.o_proj.weight"])
+        add(ours + "gate_up_weight", [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"])
+        add(ours + "down_weight", [hf + "mlp.down_proj.weight"])
+    return packed
 
 
 def _in_out(weight_out_in: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,251 @@
+/*
+ * The small per-layer operations of a decoder step, fused, for float32 on the CPU.
+ *
+ * A decode step of 16 sequences spends more time dispatching PyTorch's elementwise ops
+ * (rms_norm alone is six of them, ~50 µs per call) than computing them; one C call per
+ * fused operation does the same arithmetic in a few microseconds.
+ *
+ *   sf_add_rms_norm  hidden += delta (optional); out = rms_norm(hidden) * weight
+ *   sf_silu_mul      out = silu(gate) * up, from the fused gate_up projection's output
+ *   sf_rope_kv       rotate q and k in place (rotate_half convention), then write the
+ *                    rotated k and the v of every token into its KV-cache slot
+ *                    (float32, or float16 rounded to nearest even as torch does)
+ *
+ * Every row is computed on its own, in a fixed order, so a row's result does not
+ * depend on the other rows of the batch.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef SF_THREADING
+#define SF_THREADING 0
+#endif
+
+int sf_threading_mode(void) { return SF_THREADING; }
+
+/* hidden[rows, dim] += delta (when not NULL); out = hidden / sqrt(mean(hidden²) + eps) * weight.
+ * The sum of squares uses 16 fixed lanes then a fixed pairwise reduction: vectorisable
+ * without -fassociative-math, and the same for every row whatever the batch. */
+void sf_add_rms_norm(float *restrict hidden, const float *restrict delta,
+                     const float *restrict weight, float *restrict out, int64_t rows,
+                     int64_t dim, float eps) {
+    enum { LANES = 16 };
+    for (int64_t r = 0; r < rows; r++) {
+        float *restrict h = hidden + r * dim;
+        if (delta != NULL) {
+            const float *restrict d = delta + r * dim;
+            for (int64_t i = 0; i < dim; i++) h[i] += d[i];
+        }
+        float lanes[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= dim; i += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += h[i + l] * h[i + l];
+        for (int l = 0; i < dim; i++, l++) lanes[l] += h[i] * h[i];
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+        const float inv = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+        float *restrict o = out + r * dim;
+        for (int64_t j = 0; j < dim; j++) o[j] = h[j] * inv * weight[j];
+    }
+}
+
+/* exp(x) for x <= 0: Cephes-style polynomial after range reduction, relative error
+ * ~2e-7, below exp(-87) flushed to 0. Branch-free so loops over it vectorise. */
+static inline float sf_exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } bits;
+    bits.i = ((int32_t)n + 127) << 23;
+    return p * bits.f;
+}
+
+/* gate_up[rows, 2·inter] = [gate | up]; out[rows, inter] = gate·sigmoid(gate)·up, with
+ * sigmoid from exp(-|gate|) so the exponential never overflows. */
+void sf_silu_mul(const float *restrict gate_up, float *restrict out, int64_t rows,
+                 int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict gate = gate_up + r * 2 * inter;
+        const float *restrict up = gate + inter;
+        float *restrict o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = gate[i];
+            const float e = sf_exp_nonpos(x < 0.0f ? x : -x);
+            const float sigmoid = (x < 0.0f ? e : 1.0f) / (1.0f + e);
+            o[i] = x * sigmoid * up[i];
+        }
+    }
+}
+
+/* float -> IEEE half, round to nearest even (what torch's .to(float16) gives). */
+static inline uint16_t sf_float_to_half(float f) {
+#if defined(__FLT16_MAX__) && !defined(SF_NO_FLOAT16) /* -DSF_NO_FLOAT16: the bit path */
+    const _Float16 h = (_Float16)f;
+    uint16_t bits;
+    memcpy(&bits, &h, sizeof bits);
+    return bits;
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t abs = x & 0x7FFFFFFFu;
+    if (abs >= 0x7F800000u) return (uint16_t)(sign | 0x7C00u | (abs > 0x7F800000u ? 0x200u : 0u));
+    if (abs >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds past 65504 */
+    if (abs < 0x38800000u) { /* half subnormal or zero: scale to integer units of 2^-24 */
+        float scaled;
+        const uint32_t a = abs;
+        memcpy(&scaled, &a, sizeof scaled);
+        scaled *= 16777216.0f; /* exact; nearbyint rounds half to even */
+        return (uint16_t)(sign | (uint32_t)__builtin_nearbyintf(scaled));
+    }
+    const uint32_t mant_odd = (abs >> 13) & 1u;
+    const uint32_t rounded = abs + 0xFFFu + mant_odd;
+    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+#endif
+}
+
+/* qkv[tokens, row_stride]: q heads, then k heads, then v heads (head_dim each).
+ * cos/sin[table_rows, head_dim]; caches [num_slots, kv_heads, head_dim], float32
+ * (cache_f16 = 0) or float16 (1); slots[tokens]. Returns 0, 1 when a position is outside
+ * the table, 2 when a slot is outside the cache. */
+int sf_rope_kv(float *restrict qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, const int64_t *restrict positions,
+               const float *restrict cos_table, const float *restrict sin_table,
+               int64_t table_rows, void *restrict k_cache, void *restrict v_cache,
+               int cache_f16, const int64_t *restrict slots, int64_t num_slots) {
+    const int64_t half = head_dim / 2, kv_width = kv_heads * head_dim;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (positions[t] < 0 || positions[t] >= table_rows) return 1;
+        if (slots[t] < 0 || slots[t] >= num_slots) return 2;
+    }
+    for (int64_t t = 0; t < tokens; t++) {
+        float *restrict row = qkv + t * row_stride;
+        const float *restrict c = cos_table + positions[t] * head_dim;
+        const float *restrict s = sin_table + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float *restrict x = row + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x[i], b = x[i + half];
+                x[i] = a * c[i] - b * s[i];
+                x[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+        const float *restrict k = row + heads * head_dim;
+        const float *restrict v = k + kv_width;
+        if (cache_f16) {
+            uint16_t *restrict kd = (uint16_t *)k_cache + slots[t] * kv_width;
+            uint16_t *restrict vd = (uint16_t *)v_cache + slots[t] * kv_width;
+            for (int64_t i = 0; i < kv_width; i++) {
+                kd[i] = sf_float_to_half(k[i]);
+                vd[i] = sf_float_to_half(v[i]);
+            }
+        } else {
+            float *restrict kd = (float *)k_cache + slots[t] * kv_width;
+            float *restrict vd = (float *)v_cache + slots[t] * kv_width;
+            for (int64_t i = 0; i < kv_width; i++) {
+                kd[i] = k[i];
+                vd[i] = v[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- A whole decode step's layers in one call ----
+ *
+ * Once the per-layer kernels are fast, a 16-sequence decode step spends a tenth of its
+ * time in Python calling them (~270 calls). This runs the same kernels in the same
+ * order as the model's Python path (LlamaForCausalLM.forward with fused ops), so the
+ * result is bitwise the same; the projection matmuls (packed weights) and the paged
+ * attention live in their own libraries and come in as function pointers. */
+
+typedef int (*sf_packed_mm_fn)(const float *, const uint8_t *, float *, int64_t, int64_t,
+                               int64_t, int, int);
+typedef int (*sf_paged_decode_fn)(const float *, const void *, const void *, int,
+                                  const int32_t *, const int32_t *, float *, int64_t, int64_t,
+                                  int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    const uint8_t *qkv, *o, *gate_up, *down; /* packed W [in, out] */
+    const float *qkv_bias, *o_bias;          /* NULL when the model has none */
+    void *k_cache, *v_cache;                 /* [num_blocks, block_size, kv_heads, head_dim] */
+    int32_t qkv_bits, o_bits, gate_up_bits, down_bits;
+} sf_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+    int64_t block_size, num_blocks, table_rows;
+    const float *cos, *sin, *final_norm;
+    sf_packed_mm_fn packed_mm;
+    sf_paged_decode_fn paged_decode;
+    float eps, scale;
+    int32_t cache_f16; /* 0: float32 caches, 1: float16 */
+} sf_model;
+
+/* hidden [D, hidden] (the token embeddings; updated in place as the residual stream),
+ * out [D, hidden] = the final-normed hidden states. Returns 0; 1/2: rope_kv's errors;
+ * 10 + c: a packed matmul's error c; 20 + c: the attention kernel's error c; 30: no memory. */
+int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, float *out,
+                     int64_t rows, const int64_t *positions, const int64_t *slots,
+                     const int32_t *block_tables, const int32_t *context_lens,
+                     int64_t max_blocks, int num_threads) {
+    const int64_t H = m->hidden, hd = m->head_dim, qkv_width = (m->heads + 2 * m->kv_heads) * hd;
+    const int64_t q_width = m->heads * hd, I = m->inter;
+    const size_t floats = (size_t)(rows * (H + qkv_width + 2 * q_width + H + 2 * I + I + H));
+    float *work = malloc(floats * sizeof(float));
+    if (work == NULL) return 30;
+    float *x = work, *qkv = x + rows * H, *q = qkv + rows * qkv_width, *attn = q + rows * q_width;
+    float *attn_out = attn + rows * q_width, *gate_up = attn_out + rows * H;
+    float *act = gate_up + rows * 2 * I, *delta = act + rows * I;
+    const int cache_kind = m->cache_f16 ? 2 : 0; /* the attention kernel's code for the dtype */
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    int status = 0;
+    for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
+        const sf_layer *L = layers + l;
+        sf_add_rms_norm(hidden, l == 0 ? NULL : delta, L->input_norm, x, rows, H, m->eps);
+        status = m->packed_mm(x, L->qkv, qkv, rows, H, qkv_width, L->qkv_bits, num_threads);
+        if (status) { status += 10; break; }
+        if (L->qkv_bias != NULL)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < qkv_width; c++) qkv[r * qkv_width + c] += L->qkv_bias[c];
+        status = sf_rope_kv(qkv, rows, qkv_width, m->heads, m->kv_heads, hd, positions, m->cos,
+                            m->sin, m->table_rows, L->k_cache, L->v_cache, m->cache_f16, slots,
+                            num_slots);
+        if (status) break;
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(q + r * q_width, qkv + r * qkv_width, (size_t)q_width * sizeof(float));
+        status = m->paged_decode(q, L->k_cache, L->v_cache, cache_kind, block_tables,
+                                 context_lens, attn, rows, m->heads, m->kv_heads, hd,
+                                 m->block_size, m->num_blocks, max_blocks, m->scale, num_threads);
+        if (status) { status += 20; break; }
+        status = m->packed_mm(attn, L->o, attn_out, rows, q_width, H, L->o_bits, num_threads);
+        if (status) { status += 10; break; }
+        if (L->o_bias != NULL)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < H; c++) attn_out[r * H + c] += L->o_bias[c];
+        sf_add_rms_norm(hidden, attn_out, L->post_norm, x, rows, H, m->eps);
+        status = m->packed_mm(x, L->gate_up, gate_up, rows, H, 2 * I, L->gate_up_bits,
+                              num_threads);
+        if (status) { status += 10; break; }
+        sf_silu_mul(gate_up, act, rows, I);
+        status = m->packed_mm(act, L->down, delta, rows, I, H, L->down_bits, num_threads);
+        if (status) { status += 10; break; }
+    }
+    if (status == 0)
+        sf_add_rms_norm(hidden, m->num_layers > 0 ? delta : NULL, m->final_norm, out, rows, H,
+                        m->eps);
+    free(work);
+    return status;
+}
