@@ -382,3 +382,16 @@ def test_cli_flags_reach_the_engine_config() -> None:
     assert defaults.kv_cache_dtype == "auto" and defaults.packed_weights is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--kv-cache-dtype", "int8"])
+
+
+def test_sliding_window_caps_the_context_length(smollm2) -> None:  # type: ignore[no-untyped-def]
+    from servefleet.engine.app import serving_context_length
+    from servefleet.engine.config import EngineConfig
+
+    config = EngineConfig(model=MODEL)
+    windowed = smollm2.config.model_copy(update={"sliding_window": 1024})
+    assert serving_context_length(config, smollm2.config) == 8192
+    assert serving_context_length(config, windowed) == 1024
+    assert serving_context_length(config.model_copy(update={"max_model_len": 512}), windowed) == 512
+    wide = smollm2.config.model_copy(update={"sliding_window": 100_000})
+    assert serving_context_length(config, wide) == 8192

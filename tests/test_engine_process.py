@@ -31,6 +31,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) ->
     raise AssertionError("engine never became ready")
 
 
+DRAIN_TOKENS = 600
+
+
 def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -53,7 +56,8 @@ def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
         first_chunk = threading.Event()
 
         def stream() -> None:
-            body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 48,
+            # Long enough that the drain is still going when /ready is checked below.
+            body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": DRAIN_TOKENS,
                     "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
@@ -76,7 +80,7 @@ def test_sigterm_drains_in_flight_then_exits_zero(tmp_path: Path) -> None:
         client.join(120)
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        assert chunks[-1]["usage"]["completion_tokens"] == 48  # finished, not cut off
+        assert chunks[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS  # finished, not cut off
         assert proc.wait(60) == 0
         assert "drained" in log_path.read_text()
     finally:

@@ -87,8 +87,79 @@ def test_gguf_bos_is_added_when_the_file_asks(fields: Any) -> None:
 
 
 def test_unsupported_gguf_tokenizer_kind_is_a_clear_error() -> None:
-    with pytest.raises(TokenizerError, match="'llama' is not supported"):
-        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(TokenizerError, match="'bert' is not supported"):
+        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "bert"})
+    with pytest.raises(TokenizerError, match=r"one tokenizer\.ggml\.scores entry per token"):
+        Tokenizer.from_gguf_fields(
+            {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]}
+        )
+
+
+_ = "\u2581"  # "▁", SentencePiece's space
+SPM_PIECES = [
+    _, "h", "e", "l", "o", "w", "r", "d", "t", "i", "s", "a", "n", _ + "h", "he", "ll", _ + "he",
+    "llo", _ + "hello", _ + "w", "or", _ + "wor", "ld", _ + "world", _ + "hell", _ + "t",
+    _ + "the", "is", _ + "is", "an", _ + "a", _ + "an", "in", _ + "in", _ + "i", "th", _ + "th",
+    "ing", "ng", _ + "s", "st", _ + "st",
+]  # fmt: skip
+SPM_TEXTS = [
+    "hello world", "the hello", "hello  world \u00e9", "he hell", "this is a test",
+    "in the world, sing!", "hello</s>", "Ünïcödé 123 \u2014 end", "", "x\n\nhello\t",
+]  # fmt: skip
+
+
+def _spm_gguf(path: Any) -> Any:
+    """A SentencePiece ('llama') GGUF: control tokens, 256 byte pieces, scored pieces."""
+    gguf = pytest.importorskip("gguf")
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(str(path))
+
+
+def test_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
+    """Llama 2 / Mistral GGUFs carry SentencePiece pieces and scores, not merges: our
+    rebuilt tokenizer must split and join text exactly as transformers' GGUF loader does."""
+    reader = _spm_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer.from_gguf_fields(reader.fields)
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("hello")[0] == 1 and ours.spec.eos_token_ids == [2]
+    # Leading spaces: SentencePiece's dummy prefix (and llama.cpp) always adds one "▁";
+    # transformers' converted tokenizer does not when the text starts with a space.
+    # Text right after a special token gets the "▁" too, as in llama.cpp.
+    space, x_byte = ours.token_to_id("\u2581"), ours.token_to_id("<0x78>")
+    assert ours.encode("  x") == [1, space, space, space, x_byte]
+    assert ours.encode("<s>hello") == [1, 1, ours.token_to_id("\u2581hello")]
+    assert ours.decode(ours.encode("hello world \u00e9")) == "hello world \u00e9"
+    again = tmp_path / "saved"
+    again.mkdir()
+    ours.save(again)
+    assert Tokenizer.load(again).encode("this is a test") == ours.encode("this is a test")
 
 
 def _stream(tokenizer: Tokenizer, text: str, prompt: str = "Say: ") -> list[str]:

@@ -27,6 +27,7 @@ from servefleet.engine.kernels import select_decode_kernel, select_fused_ops, se
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
 from servefleet.engine.metrics import EngineMetrics
+from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.llama import allocate_kv_cache, kv_bytes_per_block
 from servefleet.engine.model.loader import LoadedModel, load_model
 from servefleet.engine.runner import ModelRunner
@@ -140,6 +141,27 @@ def load_for(config: EngineConfig) -> LoadedModel:
     return loaded
 
 
+def serving_context_length(config: EngineConfig, model: ModelConfig) -> int:
+    """--max-model-len capped by the model's positions and its sliding window.
+
+    Attention here always sees the whole context; that is exactly sliding-window
+    attention as long as no sequence outgrows the window, so the window caps the length.
+    """
+    length = min(
+        config.max_model_len or model.max_position_embeddings, model.max_position_embeddings
+    )
+    window = model.sliding_window
+    if window is not None and window < length:
+        log.warning(
+            "max_model_len capped to the model's sliding window: %d -> %d (attention over "
+            "longer contexts would differ from the model's windowed attention)",
+            length,
+            window,
+        )
+        return window
+    return length
+
+
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> BuiltEngine:
     """Everything but the HTTP server; `loaded` lets tests share one model between engines."""
     if config.threads:
@@ -147,10 +169,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Bui
     loaded = loaded or load_for(config)
     device = next(loaded.model.parameters()).device
     dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
-    max_model_len = min(
-        config.max_model_len or loaded.config.max_position_embeddings,
-        loaded.config.max_position_embeddings,
-    )
+    max_model_len = serving_context_length(config, loaded.config)
     per_block = kv_bytes_per_block(loaded.config, config.block_size, dtype)
     budget = kv_cache_bytes(config.kv_cache_memory, device)
     num_blocks = budget // per_block

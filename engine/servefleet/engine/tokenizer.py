@@ -2,7 +2,8 @@
 
 A thin layer over the `tokenizers` library: the GGUF path rebuilds the byte-level BPE that
 llama.cpp describes (vocabulary, merges, control tokens, pre-tokenizer regex chosen by
-`tokenizer.ggml.pre`), and the result is serialisable to `tokenizer.json`, so the weight
+`tokenizer.ggml.pre`) or a SentencePiece BPE from pieces and scores (`sentencepiece_bpe`),
+and the result is serialisable to `tokenizer.json`, so the weight
 cache can store it and warm starts skip the rebuild.
 """
 
@@ -17,6 +18,8 @@ from typing import Any
 from pydantic import BaseModel
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+
+from servefleet.engine.sentencepiece_bpe import sentencepiece_bpe
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL = 3
@@ -92,15 +95,28 @@ class Tokenizer:
             return value.contents() if hasattr(value, "contents") else value
 
         kind = get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise TokenizerError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                "serve the Hugging Face folder with tokenizer.json instead"
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                "SentencePiece BPE 'llama' are); serve the Hugging Face folder with "
+                "tokenizer.json instead"
             )
-        tokens: list[str] = list(get("tokenizer.ggml.tokens"))
-        merges: list[str] = list(get("tokenizer.ggml.merges") or [])
+        tokens: list[str] = list(get("tokenizer.ggml.tokens") or [])
         token_types: list[int] = list(get("tokenizer.ggml.token_type") or [])
-        backend = _byte_level_bpe(tokens, merges, token_types, get("tokenizer.ggml.pre"))
+        if not tokens:
+            raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
+        if kind == "gpt2":
+            merges: list[str] = list(get("tokenizer.ggml.merges") or [])
+            backend = _byte_level_bpe(tokens, merges, token_types, get("tokenizer.ggml.pre"))
+        else:
+            scores: list[float] = list(get("tokenizer.ggml.scores") or [])
+            if len(scores) != len(tokens):
+                raise TokenizerError(
+                    "a SentencePiece ('llama') GGUF tokenizer needs one tokenizer.ggml.scores "
+                    f"entry per token ({len(tokens)} tokens, {len(scores)} scores)"
+                )
+            add_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
+            backend = sentencepiece_bpe(tokens, scores, token_types, add_prefix)
 
         def token_id(key: str) -> int | None:
             value = get(f"tokenizer.ggml.{key}")
@@ -118,7 +134,8 @@ class Tokenizer:
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             pad_token_id=pad,
-            add_bos_token=bool(get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp's default: SentencePiece models start with BOS unless told otherwise.
+            add_bos_token=bool(get("tokenizer.ggml.add_bos_token", kind == "llama")),
             bos_token=None if bos is None else tokens[bos],
             eos_token=None if eos is None else tokens[eos],
             pad_token=None if pad is None else tokens[pad],

@@ -202,7 +202,7 @@ def load_cpu_fused_ops() -> CpuFusedOps | None:
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (ctypes reads the class attribute)
+    _fields_ = [
         ("input_norm", _P),
         ("post_norm", _P),
         ("qkv", _P),
@@ -221,7 +221,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012
+    _fields_ = [
         ("num_layers", _I),
         ("hidden", _I),
         ("heads", _I),
@@ -300,9 +300,9 @@ class DecodeLayers:
             if not _is_f32(t):
                 raise ValueError("decode layers: rope tables and norms must be float32")
         for layer in layers:
-            if not all(
-                _same_cache(c, first) for c in (layer.k_cache, layer.v_cache)
-            ) or not all(_is_f32(t) for t in (layer.input_norm, layer.post_norm)):
+            if not all(_same_cache(c, first) for c in (layer.k_cache, layer.v_cache)) or not all(
+                _is_f32(t) for t in (layer.input_norm, layer.post_norm)
+            ):
                 raise ValueError("decode layers: caches and norms of one dtype and shape")
         self._ops = ops
         self._keep = (layers, cos, sin, final_norm)  # the C side holds their addresses

@@ -5,12 +5,12 @@
  *   sf_small_linear W stored [N, K] (out, in) — the lm_head (F.linear layout)
  *   sf_packed_mm    W [K, N] packed from 4- or 8-bit GGUF blocks (Q4_0, Q4_1, Q8_0)
  *
- * The packed forms hold a quantized checkpoint's weights as they were stored (4 or
- * 8 bits plus float32 scales) and dequantize a few KiB at a time into an L1 scratch
- * tile that the float32 register tiles then read. Dequantizing is exact (scale × q,
- * + min, are exact in float32 for these formats), so a packed call returns bitwise
- * what the dense call returns on the dequantized weights, while streaming 5-9× fewer
- * bytes from memory.
+ * The packed form holds a quantized checkpoint's weights as they were stored (4 or
+ * 8 bits plus float32 scales); AVX-512 dequantizes them in registers as the FMAs use
+ * them, AVX2 and plain C a block at a time into L1 for the float32 tiles. Dequantizing
+ * is exact (scale × q, + min, are exact in float32 for these formats) and every output
+ * is summed over k in ascending order, so a packed call returns bitwise what
+ * sf_small_mm returns on the dequantized weights, while streaming 5-9× fewer bytes.
  *
  * With M of 1..64 every weight element is used only M times, so a step is bound
  * by streaming the weights from DRAM. Both kernels read each weight once per

@@ -16,8 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from servefleet.engine.attention import AttentionMetadata, PagedAttention
-from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps
-from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul
+from servefleet.engine.kernels.cpu_fused_ops import (
+    CpuFusedOps,
+    DecodeLayers,
+    LayerTensors,
+    ModelShape,
+)
+from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode
+from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul
 from servefleet.engine.kernels.packed_weights import (
     BlockQuantized,
     PackedWeight,
@@ -25,6 +31,7 @@ from servefleet.engine.kernels.packed_weights import (
     concat_rows,
     pack,
 )
+from servefleet.engine.memory import empty_on_huge_pages
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.rope import rope_table
 
@@ -164,6 +171,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.packed_lm_head: PackedWeight | None = None
         self.fused_ops: CpuFusedOps | None = None
+        # All layers of a pure decode step in one C call, built per KV cache (see
+        # _decode_layers_for); None until first needed or when the setup does not allow it.
+        self.one_call_decode = True  # False: per-layer Python path (kept for comparison)
+        self._decode_layers: DecodeLayers | None = None
+        self._decode_layers_key: tuple[int, ...] | None = None
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -178,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
     def set_attention(self, attn_impl: PagedAttention) -> None:
         """Swap the attention implementation (e.g. for one with a Triton decode kernel)."""
         self.attn_impl = attn_impl
+        self._decode_layers_key = None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.attn_impl = attn_impl
@@ -185,10 +198,12 @@ class LlamaForCausalLM(nn.Module):
     def set_fused_ops(self, ops: CpuFusedOps | None) -> None:
         """Use the fused C ops (rms_norm, RoPE + KV write) where the tensors allow it."""
         self.fused_ops = ops
+        self._decode_layers_key = None
 
     def set_matmul(self, matmul: Matmul) -> None:
         """Swap the matmul backend (e.g. the C few-row kernels on CPU); weight layouts stay."""
         self.matmul = matmul
+        self._decode_layers_key = None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.matmul = matmul
@@ -212,6 +227,14 @@ class LlamaForCausalLM(nn.Module):
             and ops.supports(hidden, self.rope_cos)
             and all(ops.supports_cache(c) for c in kv_caches[0])
         ):
+            decode_layers = self._decode_layers_for(ops, kv_caches, meta, hidden.shape[0])
+            if decode_layers is not None:
+                assert meta.decode_block_tables is not None
+                assert meta.decode_context_lens is not None
+                return decode_layers.run(
+                    hidden, positions, meta.slot_mapping, meta.decode_block_tables,
+                    meta.decode_context_lens,
+                )  # fmt: skip
             delta: torch.Tensor | None = None
             rope = (self.rope_cos, self.rope_sin)
             config = self.config
@@ -231,6 +254,70 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return F.rms_norm(hidden, self.norm.shape, self.norm, self.config.rms_norm_eps)
+
+    def _decode_layers_for(
+        self, ops: CpuFusedOps, kv_caches: list[KVCache], meta: AttentionMetadata, rows: int
+    ) -> DecodeLayers | None:
+        """The one-call decode program when this step can use it: a pure decode step of
+        at most the C matmuls' rows, every projection packed, the C attention kernel."""
+        matmul, kernel = self.matmul, self.attn_impl.decode_kernel
+        if (
+            not self.one_call_decode
+            or meta.prefills
+            or meta.num_decodes != rows
+            or not isinstance(matmul, SmallRowsMatmul)
+            or rows > matmul.max_rows
+            or not isinstance(kernel, CpuPagedDecode)
+        ):
+            return None
+        key = (
+            id(ops), id(matmul), id(kernel), self.rope_cos.data_ptr(),
+            *(c.data_ptr() for pair in kv_caches for c in pair),
+        )  # fmt: skip
+        if key != self._decode_layers_key:
+            self._decode_layers = self._build_decode_layers(ops, matmul, kernel, kv_caches)
+            self._decode_layers_key = key
+        return self._decode_layers
+
+    def _build_decode_layers(
+        self,
+        ops: CpuFusedOps,
+        matmul: SmallRowsMatmul,
+        kernel: CpuPagedDecode,
+        kv_caches: list[KVCache],
+    ) -> DecodeLayers | None:
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        layers: list[LayerTensors] = []
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            packed = [layer.packed.get(n) for n in names]
+            if any(p is None for p in packed):
+                return None
+            qkv, o, gate_up, down = (p for p in packed if p is not None)
+            layers.append(
+                LayerTensors(
+                    input_norm=layer.input_norm,
+                    post_norm=layer.post_attn_norm,
+                    qkv=qkv,
+                    o=o,
+                    gate_up=gate_up,
+                    down=down,
+                    qkv_bias=layer.qkv_bias,
+                    o_bias=layer.o_bias,
+                    k_cache=k_cache,
+                    v_cache=v_cache,
+                )
+            )
+        config = self.config
+        shape = ModelShape(
+            hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, intermediate=config.intermediate_size,
+            eps=config.rms_norm_eps, scale=config.head_dim**-0.5,
+        )  # fmt: skip
+        return DecodeLayers(
+            ops, shape, layers, self.rope_cos, self.rope_sin, self.norm,
+            matmul.kernel.library, kernel.library,
+        )  # fmt: skip
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
@@ -252,10 +339,12 @@ class LlamaForCausalLM(nn.Module):
             if dense is None:
                 raise MissingWeightError(f"packed weight {name!r} has no float32 counterpart")
             k, n = (dense.shape[1], dense.shape[0]) if name == "lm_head" else dense.shape
+            self._decode_layers_key = None
             if (weight.k, weight.n) != (k, n):
                 raise PackingError(
                     f"packed {name!r} is [{weight.k}, {weight.n}], the model's weight [{k}, {n}]"
                 )
+            weight = _on_huge_pages(weight)
             if name == "lm_head":
                 self.packed_lm_head = weight
             else:
@@ -339,6 +428,14 @@ def fuse_hf_weights(
     return state
 
 
+def _on_huge_pages(weight: PackedWeight) -> PackedWeight:
+    """A copy of the packed bytes in huge-page memory (they usually arrive memory-mapped
+    from the conversion cache, on 4 KiB file pages); the decode kernels stream them."""
+    data = empty_on_huge_pages(tuple(weight.data.shape), weight.data.dtype)
+    data.copy_(weight.data)
+    return PackedWeight(weight.bits, weight.k, weight.n, data)
+
+
 def fuse_packed_weights(
     config: ModelConfig, quantized: Mapping[str, BlockQuantized]
 ) -> dict[str, PackedWeight]:
@@ -387,14 +484,9 @@ def allocate_kv_cache(
     device: torch.device | str,
 ) -> list[KVCache]:
     """One allocation for the whole cache; per-layer (k, v) views of it, each contiguous."""
-    storage = torch.zeros(
-        config.num_layers,
-        2,
-        num_blocks,
-        block_size,
-        config.num_kv_heads,
-        config.head_dim,
-        dtype=dtype,
-        device=device,
-    )
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if torch.device(device).type == "cpu":  # attention reads scattered blocks: fewer TLB misses
+        storage = empty_on_huge_pages(shape, dtype).zero_()
+    else:
+        storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[i, 0], storage[i, 1]) for i in range(config.num_layers)]

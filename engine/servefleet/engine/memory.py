@@ -1,0 +1,58 @@
+"""Large CPU buffers on transparent huge pages, where the kernel allows it.
+
+The decode kernels walk the KV cache and the packed weights in scattered 4-16 KiB pieces:
+on 4 KiB pages nearly every piece is a TLB miss. Linux backs an `madvise(MADV_HUGEPAGE)`
+range with 2 MiB pages when transparent huge pages are in `madvise` (or `always`) mode;
+measured on a SmolLM2 decode step of 16 sequences: ~4% faster. Elsewhere this is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+import torch
+
+_HUGE_PAGE = 1 << 21
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise() -> ctypes._NamedFuncPointer | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    function = libc.madvise
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask for huge pages under the 2 MiB-aligned part of a CPU tensor's memory.
+
+    Takes effect for pages not yet touched, so call it between `torch.empty` and the
+    first write. Returns whether the kernel accepted the advice.
+    """
+    madvise = _madvise()
+    if madvise is None or not tensor.is_cpu:
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    aligned_start = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    aligned_end = end & ~(_HUGE_PAGE - 1)
+    if aligned_end <= aligned_start:
+        return False
+    return madvise(aligned_start, aligned_end - aligned_start, _MADV_HUGEPAGE) == 0
+
+
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor with huge pages advised (before anything touches it)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(tensor)
+    return tensor
