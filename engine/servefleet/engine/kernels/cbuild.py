@@ -1,8 +1,8 @@
 """Compile a kernel's C file with the system compiler, cache the library, load it.
 
-Shared by the C kernels: each is one self-contained .c file without torch headers,
-so it compiles in about a second at first use, and the engine falls back to
-PyTorch when no compiler is there.
+Shared by the C kernels: each is one .c file (plus the shared headers beside it) without
+torch headers, so it compiles in about a second at first use, and the engine falls back
+to PyTorch when no compiler is there.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def build_library(source: Path, optimise_flags: Sequence[str], threading: Thread
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC or install cc/gcc/clang)")
     identity = _compiler_identity(compiler)
-    text = source.read_bytes()
+    # Shared headers (`#include "x.h"`, found next to the source) are part of the key too.
+    headers = sorted(source.parent.glob("*.h"))
+    text = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in headers)])
     errors: list[str] = []
     for arch_flags in (NATIVE_FLAGS, ()):
         flags = [*optimise_flags, *arch_flags, *THREADING_FLAGS[threading]]

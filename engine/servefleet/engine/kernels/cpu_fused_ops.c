@@ -52,24 +52,7 @@ void sf_add_rms_norm(float *restrict hidden, const float *restrict delta,
     }
 }
 
-/* exp(x) for x <= 0: Cephes-style polynomial after range reduction, relative error
- * ~2e-7, below exp(-87) flushed to 0. Branch-free so loops over it vectorise. */
-static inline float sf_exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } bits;
-    bits.i = ((int32_t)n + 127) << 23;
-    return p * bits.f;
-}
+#include "sf_exp.h" /* sf_exp_nonpos */
 
 /* gate_up[rows, 2·inter] = [gate | up]; out[rows, inter] = gate·sigmoid(gate)·up, with
  * sigmoid from exp(-|gate|) so the exponential never overflows. */

@@ -171,11 +171,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.packed_lm_head: PackedWeight | None = None
         self.fused_ops: CpuFusedOps | None = None
-        # All layers of a pure decode step in one C call, built per KV cache (see
-        # _decode_layers_for); None until first needed or when the setup does not allow it.
         self.one_call_decode = True  # False: per-layer Python path (kept for comparison)
-        self._decode_layers: DecodeLayers | None = None
-        self._decode_layers_key: tuple[int, ...] | None = None
+        # All layers of a pure decode step in one C call (`_decode_layers_for`): the KV
+        # caches it was built for and the program (None where the setup does not allow it).
+        # Whatever else it holds addresses of resets it when it changes.
+        self._decode_layers: tuple[list[KVCache], DecodeLayers | None] | None = None
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -186,11 +186,12 @@ class LlamaForCausalLM(nn.Module):
             self.config, self.max_positions, self.embed_tokens.dtype, self.embed_tokens.device
         )
         self.rope_cos, self.rope_sin = cos, sin
+        self._decode_layers = None  # it holds the old tables' addresses
 
     def set_attention(self, attn_impl: PagedAttention) -> None:
         """Swap the attention implementation (e.g. for one with a Triton decode kernel)."""
         self.attn_impl = attn_impl
-        self._decode_layers_key = None
+        self._decode_layers = None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.attn_impl = attn_impl
@@ -198,12 +199,12 @@ class LlamaForCausalLM(nn.Module):
     def set_fused_ops(self, ops: CpuFusedOps | None) -> None:
         """Use the fused C ops (rms_norm, RoPE + KV write) where the tensors allow it."""
         self.fused_ops = ops
-        self._decode_layers_key = None
+        self._decode_layers = None
 
     def set_matmul(self, matmul: Matmul) -> None:
         """Swap the matmul backend (e.g. the C few-row kernels on CPU); weight layouts stay."""
         self.matmul = matmul
-        self._decode_layers_key = None
+        self._decode_layers = None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.matmul = matmul
@@ -270,14 +271,11 @@ class LlamaForCausalLM(nn.Module):
             or not isinstance(kernel, CpuPagedDecode)
         ):
             return None
-        key = (
-            id(ops), id(matmul), id(kernel), self.rope_cos.data_ptr(),
-            *(c.data_ptr() for pair in kv_caches for c in pair),
-        )  # fmt: skip
-        if key != self._decode_layers_key:
-            self._decode_layers = self._build_decode_layers(ops, matmul, kernel, kv_caches)
-            self._decode_layers_key = key
-        return self._decode_layers
+        cached = self._decode_layers
+        if cached is None or cached[0] is not kv_caches:  # the runner passes one list a run
+            cached = (kv_caches, self._build_decode_layers(ops, matmul, kernel, kv_caches))
+            self._decode_layers = cached
+        return cached[1]
 
     def _build_decode_layers(
         self,
@@ -339,12 +337,11 @@ class LlamaForCausalLM(nn.Module):
             if dense is None:
                 raise MissingWeightError(f"packed weight {name!r} has no float32 counterpart")
             k, n = (dense.shape[1], dense.shape[0]) if name == "lm_head" else dense.shape
-            self._decode_layers_key = None
             if (weight.k, weight.n) != (k, n):
                 raise PackingError(
                     f"packed {name!r} is [{weight.k}, {weight.n}], the model's weight [{k}, {n}]"
                 )
-            weight = _on_huge_pages(weight)
+            self._decode_layers = None
             if name == "lm_head":
                 self.packed_lm_head = weight
             else:
@@ -426,14 +423,6 @@ def fuse_hf_weights(
         )
         state[ours + "down_weight"] = _in_out(take(hf + "mlp.down_proj.weight"))
     return state
-
-
-def _on_huge_pages(weight: PackedWeight) -> PackedWeight:
-    """A copy of the packed bytes in huge-page memory (they usually arrive memory-mapped
-    from the conversion cache, on 4 KiB file pages); the decode kernels stream them."""
-    data = empty_on_huge_pages(tuple(weight.data.shape), weight.data.dtype)
-    data.copy_(weight.data)
-    return PackedWeight(weight.bits, weight.k, weight.n, data)
 
 
 def fuse_packed_weights(
