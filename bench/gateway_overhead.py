@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from servefleet.api.gateway_config import hash_api_key
-from servefleet.gateway.fake_upstream import free_port
+from servefleet.bench.processes import free_port
 
 KEY = "bench-key"
 
@@ -192,7 +192,7 @@ def main() -> int:
                     [
                         sys.executable,
                         "-m",
-                        "servefleet.gateway.fake_upstream",
+                        "servefleet.bench.fake_upstream",
                         "--port",
                         str(up_port),
                     ],

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from k8s.cluster import LocalControlPlane
 from k8s.kubectl import Kube, OperatorProcess
+from k8s.node import LocalNode, NodeCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "servefleet"
@@ -57,6 +58,41 @@ def kube(k8s_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ku
         yield Kube(plane.kubeconfig, k8s_bin / "kubectl", k8s_bin / "helm")
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def node_cluster(k8s_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
+    """A cluster whose pods really run: our single node, or $KUBECONFIG's cluster.
+
+    Our node builds the images from the Dockerfile into its containerd. A cluster named by
+    KUBECONFIG cannot see those, so the images it runs are named in
+    SERVEFLEET_E2E_CONTROL_PLANE_IMAGE and SERVEFLEET_E2E_ENGINE_IMAGE.
+    """
+    if os.environ.get("KUBECONFIG"):
+        images = {
+            "control-plane": os.environ.get("SERVEFLEET_E2E_CONTROL_PLANE_IMAGE", ""),
+            "engine": os.environ.get("SERVEFLEET_E2E_ENGINE_IMAGE", ""),
+        }
+        if not all(images.values()):
+            pytest.fail(
+                "with KUBECONFIG set, name images that cluster can run in "
+                "SERVEFLEET_E2E_CONTROL_PLANE_IMAGE and SERVEFLEET_E2E_ENGINE_IMAGE "
+                "(Dockerfile targets control-plane and engine-cpu)"
+            )
+        kubectl = shutil.which("kubectl") or str(k8s_bin / "kubectl")
+        helm = shutil.which("helm") or str(k8s_bin / "helm")
+        kube = Kube(Path(os.environ["KUBECONFIG"]), Path(kubectl), Path(helm))
+        yield NodeCluster(kube, images, "IfNotPresent")
+        return
+    node = LocalNode(bin_dir=k8s_bin, run_dir=tmp_path_factory.mktemp("node"))
+    try:
+        node.start()
+        assert node.plane is not None
+        print(f"\ne2e node up: {node.timings} (seconds); images {node.images}")
+        kube = Kube(node.plane.kubeconfig, k8s_bin / "kubectl", k8s_bin / "helm")
+        yield NodeCluster(kube, node.images, "Never")
+    finally:
+        node.stop()
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,8 @@ from servefleet.autoscaler.policy import Decision
 from servefleet.autoscaler.signals import Observation, ReplicaState
 from servefleet.autoscaler.targets import ScalingTargets
 from servefleet.autoscaler.telemetry import AutoscalerMetrics
-from servefleet.gateway.fake_upstream import FakeOpenAI, serve_in_thread
+from servefleet.bench.fake_upstream import FakeOpenAI
+from servefleet.bench.processes import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "charts" / "servefleet" / "files" / "dashboards"

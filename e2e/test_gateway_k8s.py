@@ -34,9 +34,10 @@ from conftest import RELEASE, SYSTEM_NAMESPACE
 from k8s.kubectl import Kube, OperatorProcess, wait_for
 from procs import free_port as _free_port
 
+from servefleet.api.conventions import LABEL_SERVICE_NAME, ROUTE_GATEWAY_KEY, SECRETS_MOUNT
 from servefleet.api.gateway_config import GatewayConfig, RedisConfig, hash_api_key
+from servefleet.bench.fake_upstream import FakeOpenAI
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.fake_upstream import FakeOpenAI
 from servefleet.gateway.route_merge import (
     ResolvedSecrets,
     RouteError,
@@ -53,7 +54,7 @@ MODEL = "routed-model"
 SECRET = "routed-keys"
 KEY = "sk-routed-first-key"
 ROTATED_KEY = "sk-routed-rotated-key"
-MOUNT = "/etc/servefleet/secrets"
+MOUNT = SECRETS_MOUNT
 
 
 # ----------------------------------------------------------------------------- pure rules
@@ -62,7 +63,7 @@ MOUNT = "/etc/servefleet/secrets"
 def route_configmap(namespace: str, name: str, config: dict[str, Any]) -> dict[str, Any]:
     return {
         "metadata": {"namespace": namespace, "name": name},
-        "data": {"gateway.yaml": yaml.safe_dump(config)},
+        "data": {ROUTE_GATEWAY_KEY: yaml.safe_dump(config)},
     }
 
 
@@ -148,15 +149,15 @@ def test_reconfigure_keeps_pools_and_limits_replaces_changed_pools_with_what_the
     pool.set_replicas(list(pool.replicas.replicas), ready=["http://10.0.0.1:8000"])
     pool.service_time.update(3.5)
     gateway.metrics.for_tenant("t", "m2")
-    gateway._render_metrics()
+    gateway.render_metrics()
     assert 'model="m2"' in gateway.metrics.render().decode()
 
     gateway.reconfigure(_config(rpm=20))  # a tenant's limit changed; d2 removed
     assert gateway.pools["d"] is pool  # same queue, replicas and measurements
-    route = gateway._routes[("t", "m")]
+    route = gateway.table.routes[("t", "m")]
     assert [s.policy.requests_per_minute for s in route.scopes] == [20]
-    assert "d2" not in gateway.pools and ("t", "m2") not in gateway._routes
-    assert 'servefleet_gateway_in_flight{model="m2"}' not in gateway._render_metrics().decode()
+    assert "d2" not in gateway.pools and ("t", "m2") not in gateway.table.routes
+    assert 'servefleet_gateway_in_flight{model="m2"}' not in gateway.render_metrics().decode()
 
     gateway.reconfigure(_config(rpm=20, concurrency=8))  # the pool itself changed
     replaced = gateway.pools["d"]
@@ -247,7 +248,7 @@ def endpoint_slice(service: str, address: str, port: int) -> str:
                 "name": f"{service}-e2e",
                 "namespace": NAMESPACE,
                 "labels": {
-                    "kubernetes.io/service-name": service,
+                    LABEL_SERVICE_NAME: service,
                     "endpointslice.kubernetes.io/managed-by": "e2e-test",
                 },
             },
@@ -319,6 +320,15 @@ def gateway(kube: Kube, installed_chart: Path, tmp_path: Path) -> Iterator[Gatew
         process.stop()
 
 
+def _ready(gateway: GatewayProcess) -> bool:
+    """/ready answers 200; a gateway still starting up (not listening yet) is not ready."""
+    assert gateway.alive(), f"gateway died:\n{gateway.logs()[-4000:]}"
+    try:
+        return httpx.get(gateway.url + "/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _status(gateway: GatewayProcess, key: str) -> int | None:
     assert gateway.alive(), f"gateway died:\n{gateway.logs()[-4000:]}"
     try:
@@ -343,11 +353,7 @@ def test_gateway_serves_operator_routes_with_secret_keys_and_follows_changes(
     with serve_replica(address) as port:
         kube.apply_text(endpoint_slice(f"{NAME}-engine", address, port))
 
-        wait_for(
-            "the gateway to sync routes",
-            lambda: httpx.get(gateway.url + "/ready", timeout=5).status_code == 200,
-            timeout=60,
-        )
+        wait_for("the gateway to sync routes", lambda: _ready(gateway), timeout=60)
         wait_for("a routed request to succeed", lambda: _status(gateway, KEY) == 200, timeout=60)
         answer = gateway.chat(KEY)
         assert answer.status_code == 200, answer.text

@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
+from conftest import RELEASE, SYSTEM_NAMESPACE
 from k8s.kubectl import Kube, OperatorProcess, condition, is_ready, wait_for
 
+from servefleet.api.conventions import (
+    COMPONENT_ENGINE,
+    FIELD_MANAGER_OPERATOR,
+    LABEL_COMPONENT,
+    LABEL_DEPLOYMENT,
+    ROUTE_GATEWAY_KEY,
+)
 from servefleet.api.gateway_config import GatewayConfig
+from servefleet.api.gateway_stats import DeploymentStats
+from servefleet.autoscaler.cluster import ClusterAutoscaler
+from servefleet.autoscaler.gateway_fleet import GatewayFleetSource
+from servefleet.autoscaler.telemetry import AutoscalerMetrics
+from servefleet.kube import KubeAccess
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llmdeployment.yaml"
-ENGINE = "servefleet.io/component=engine"
+ENGINE = f"{LABEL_COMPONENT}={COMPONENT_ENGINE}"
 CHILD_KINDS = ["configmap", "service", "deployment", "poddisruptionbudget", "servicemonitor"]
 
 
@@ -30,7 +45,7 @@ def llmd(name: str, **spec: Any) -> str:
 
 
 def selector(name: str) -> str:
-    return f"servefleet.io/llmdeployment={name},{ENGINE}"
+    return f"{LABEL_DEPLOYMENT}={name},{ENGINE}"
 
 
 def status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
@@ -144,11 +159,11 @@ def test_example_reconciles_children_status_and_columns(
         )
     )["metadata"]["managedFields"]
     managers = {m["manager"] for m in managed if m["operation"] == "Apply"}
-    assert managers == {"servefleet-operator"}
+    assert managers == {FIELD_MANAGER_OPERATOR}
     service = kube.get("service", "smollm2-engine", namespace)
     assert service is not None and service["spec"]["clusterIP"] == "None"
     route = kube.get("configmap", "smollm2-gateway-route", namespace)
-    assert route is not None and "name: smollm2-engine" in route["data"]["gateway.yaml"]
+    assert route is not None and "name: smollm2-engine" in route["data"][ROUTE_GATEWAY_KEY]
     assert "sk-servefleet" not in json.dumps(route)
 
     # Defaults from the CRD schema are stored.
@@ -165,7 +180,12 @@ def test_example_reconciles_children_status_and_columns(
     )
     assert s["selector"] == "servefleet.io/component=engine,servefleet.io/llmdeployment=smollm2"
     assert s["endpoint"] == "http://servefleet-gateway.servefleet.svc:8080/v1"
-    assert {c["type"] for c in s["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert {c["type"] for c in s["conditions"]} == {
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "ScalingLimited",
+    }
 
     wait_for("an engine pod", lambda: kube.list("pods", namespace, selector("smollm2")), timeout=60)
     assert condition(kube.get("llmd", "smollm2", namespace), "Ready")["status"] == "False"
@@ -211,11 +231,6 @@ INVALID = [
         "tp-on-servefleet",
         {"engine": {"tensorParallelSize": 4}},
         "tensorParallelSize > 1 needs engine.kind vllm or sglang",
-    ),
-    (
-        "replicas-out",
-        {"replicas": 9, "pool": {"maxReplicas": 3}},
-        "replicas must be within [pool.minReplicas, pool.maxReplicas]",
     ),
     ("unknown-field", {"replicaCount": 3}, 'unknown field "spec.replicaCount"'),
     (
@@ -287,8 +302,25 @@ def test_kubectl_scale_changes_the_pool(
         scale["status"]["selector"]
         == "servefleet.io/component=engine,servefleet.io/llmdeployment=scaled"
     )
-    rejected = kube.kubectl_result("scale", "llmd/scaled", "-n", namespace, "--replicas=9")
-    assert rejected.returncode != 0 and "replicas must be within" in rejected.stderr
+    # Above maxReplicas is clamped (as HPA does) and said in status, never refused: a GitOps
+    # re-apply that lowers maxReplicas after a scale-up must go through.
+    kube.kubectl("scale", "llmd/scaled", "-n", namespace, "--replicas=9")
+    wait_for(
+        "ScalingLimited",
+        lambda: any(
+            c.get("type") == "ScalingLimited"
+            and c.get("status") == "True"
+            and "above pool.maxReplicas 4" in c.get("message", "")
+            for c in status(kube, namespace, "scaled").get("conditions", [])
+        ),
+        timeout=60,
+    )
+    assert kube.get("deployment", "scaled-engine", namespace)["spec"]["replicas"] == 4
+    kube.apply_text(llmd("scaled", pool={"minReplicas": 1, "maxReplicas": 2}), namespace)
+    wait_for(
+        "clamped to the lowered maximum",
+        lambda: kube.get("deployment", "scaled-engine", namespace)["spec"]["replicas"] == 2,
+    )
     kube.kubectl("scale", "llmd/scaled", "-n", namespace, "--replicas=1")
     wait_for(
         "1 replica",
@@ -377,9 +409,7 @@ def test_deleting_the_resource_garbage_collects_every_child(
     kube.apply_text(llmd("doomed"), namespace)
     wait_for(
         "children",
-        lambda: all(
-            kube.list(k, namespace, "servefleet.io/llmdeployment=doomed") for k in CHILD_KINDS
-        ),
+        lambda: all(kube.list(k, namespace, f"{LABEL_DEPLOYMENT}=doomed") for k in CHILD_KINDS),
         timeout=60,
     )
     wait_for("a pod", lambda: kube.list("pods", namespace, selector("doomed")), timeout=60)
@@ -387,7 +417,7 @@ def test_deleting_the_resource_garbage_collects_every_child(
     for kind in [*CHILD_KINDS, "replicaset", "pods"]:
         wait_for(
             f"{kind} collected",
-            lambda k=kind: not kube.list(k, namespace, "servefleet.io/llmdeployment=doomed"),
+            lambda k=kind: not kube.list(k, namespace, f"{LABEL_DEPLOYMENT}=doomed"),
             timeout=90,
         )
 
@@ -431,9 +461,7 @@ def test_operator_restart_creates_no_duplicates_and_keeps_status(
     after = {n: status(kube, namespace, n) for n in names}
     assert after == before
     for kind in ["deployment", "service", "configmap", "poddisruptionbudget", "replicaset"]:
-        counts = {
-            n: len(kube.list(kind, namespace, f"servefleet.io/llmdeployment={n}")) for n in names
-        }
+        counts = {n: len(kube.list(kind, namespace, f"{LABEL_DEPLOYMENT}={n}")) for n in names}
         assert set(counts.values()) == {1}, f"{kind}: {counts}"
     assert len(kube.list("pods", namespace, ENGINE)) == len(names)
 
@@ -470,6 +498,53 @@ def test_fifty_deployments_are_reconciled(
     wait_for("50 LLMDeployments reconciled", all_reconciled, timeout=300, interval=1.0)
     elapsed = time.monotonic() - start
     print(f"\n50 LLMDeployments reconciled (children applied, status written) in {elapsed:.1f}s")
+
+
+class QueuedGateway:
+    """Stands in for the gateways: `queued` requests wait for `name`."""
+
+    def __init__(self, name: str, queued: int) -> None:
+        self.stats = {name: DeploymentStats(name=name, queue_depth=queued)}
+
+    async def deployments(self) -> dict[str, DeploymentStats]:
+        return self.stats
+
+
+def test_autoscaler_scales_reports_the_queue_and_explains_with_its_rbac(
+    kube: Kube, operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    """The autoscaler's calls, made as the chart's autoscaler ServiceAccount."""
+    kube.apply_text(
+        llmd(
+            "auto", pool={"minReplicas": 1, "maxReplicas": 3}, autoscaling={"targetPerReplica": 4}
+        ),
+        namespace,
+    )
+    wait_for("status.selector", lambda: status(kube, namespace, "auto").get("selector"), timeout=60)
+    kubeconfig = kube.service_account_kubeconfig(
+        SYSTEM_NAMESPACE, f"{RELEASE}-autoscaler", tmp_path / "autoscaler.kubeconfig"
+    )
+
+    async def one_tick() -> list[str]:
+        access = KubeAccess(kubeconfig=str(kubeconfig))
+        async with await access.connect() as client, httpx.AsyncClient() as http:
+            # Listing the gateway Service's EndpointSlices is allowed (none are ready here).
+            fleet = GatewayFleetSource(client, SYSTEM_NAMESPACE, f"{RELEASE}-gateway", http)
+            endpoints = await fleet.endpoints()
+            gateways = QueuedGateway("auto", queued=12)
+            scaler = ClusterAutoscaler(client, [namespace], gateways, AutoscalerMetrics(), http)
+            await scaler.tick()
+        return endpoints
+
+    assert asyncio.run(one_tick()) == []
+    assert status(kube, namespace, "auto")["queueDepth"] == 12
+    llm = kube.get("llmd", "auto", namespace)
+    assert llm is not None and llm["spec"]["replicas"] == 3  # 12 queued / 4 per replica
+    events = kube.kubectl(
+        "get", "events", "-n", namespace, "--field-selector=reason=Scaled", "-o", "json"
+    )
+    messages = [e["message"] for e in json.loads(events)["items"]]
+    assert any(" -> 3: " in m for m in messages), messages
 
 
 def test_operator_was_never_forbidden(operator: OperatorProcess) -> None:

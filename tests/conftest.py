@@ -28,7 +28,7 @@ def require_compiler() -> None:
 @pytest.fixture(scope="session")
 def smollm2():  # type: ignore[no-untyped-def]
     """The built-in model, loaded by our loader (float32, CPU)."""
-    from servefleet.engine.app import load_for
     from servefleet.engine.config import EngineConfig
+    from servefleet.engine.process import load_for
 
     return load_for(EngineConfig(model=BUILTIN, device="cpu", dtype="float32"))

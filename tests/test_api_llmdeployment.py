@@ -67,7 +67,6 @@ def test_python_names_are_accepted_too() -> None:
             {"pool": {"minReplicas": 3, "maxReplicas": 2}},
             "pool.minReplicas must be <= pool.maxReplicas",
         ),
-        ({"replicas": 9, "pool": {"minReplicas": 1, "maxReplicas": 3}}, "replicas must be within"),
         (
             {"spillover": {"enabled": True, "baseURL": "https://x/v1", "model": "m"}},
             "needs baseURL, model and apiKeySecretRef",
@@ -113,6 +112,24 @@ def test_invalid_specs_are_rejected_with_a_clear_message(
     with pytest.raises(ValidationError) as err:
         LLMDeployment.model_validate(with_spec(**spec_changes))
     assert message in str(err.value)
+
+
+def test_replicas_outside_the_pool_are_clamped_not_refused() -> None:
+    """A GitOps re-apply lowering maxReplicas after a scale-up must validate (HPA clamps too)."""
+    above = LLMDeployment.model_validate(
+        with_spec(replicas=9, pool={"minReplicas": 1, "maxReplicas": 3})
+    )
+    assert above.spec.desired_replicas() == 3
+    assert above.spec.replicas_limit() == "spec.replicas 9 is above pool.maxReplicas 3"
+    below = LLMDeployment.model_validate(
+        with_spec(replicas=1, pool={"minReplicas": 2, "maxReplicas": 3})
+    )
+    assert below.spec.desired_replicas() == 2
+    assert below.spec.replicas_limit() == "spec.replicas 1 is below pool.minReplicas 2"
+    inside = LLMDeployment.model_validate(
+        with_spec(replicas=2, pool={"minReplicas": 1, "maxReplicas": 3})
+    )
+    assert inside.spec.replicas_limit() is None
 
 
 def test_desired_replicas_follow_spec_replicas_within_bounds() -> None:

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import json
+from typing import Any
 
 import httpx
 import pytest
 
-from servefleet.autoscaler.actuate import POD_DELETION_COST, KubernetesActuator
+from servefleet.api.conventions import POD_DELETION_COST
+from servefleet.api.gateway_stats import parse_deployment_stats
+from servefleet.autoscaler.actuate import KubernetesActuator
 from servefleet.autoscaler.cluster import replica_from_pod
 from servefleet.autoscaler.engine_metrics import MetricsFormatError, parse_engine_load
-from servefleet.autoscaler.kube import KubeClient
-from servefleet.autoscaler.observe import ReplicaTarget, observe_deployment, parse_gateway_stats
-from servefleet.autoscaler.policy import decide
+from servefleet.autoscaler.observe import ReplicaTarget, observe_deployment
+from servefleet.autoscaler.policy import Decision, PolicyState, Reason, decide
 from servefleet.autoscaler.signals import Observation, ReplicaLoad, ReplicaState
 from servefleet.autoscaler.targets import ScalingTargets
 from servefleet.autoscaler.telemetry import AutoscalerMetrics
+from tests.support.fake_kube import Call, fake_kube
 
 VLLM = """# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="a"} 3.0
@@ -53,7 +55,7 @@ async def test_observe_combines_gateway_queue_and_engine_metrics() -> None:
             return httpx.Response(200, text=VLLM)
         return httpx.Response(500)  # r1's /metrics is down
 
-    gateway = parse_gateway_stats(
+    gateway = parse_deployment_stats(
         [
             {
                 "name": "d",
@@ -101,36 +103,54 @@ def test_pods_map_to_replica_states() -> None:
     gone = replica_from_pod(pod("c", True, deleting=True))
     assert gone is not None and gone.state is ReplicaState.DRAINING
     assert gone.base_url == "http://10.0.0.1:9000"
-    assert replica_from_pod({"metadata": {"name": "x"}, "status": {}}) is None
+    # No address yet: scheduled and starting, or unschedulable (pending, with patience).
+    starting = replica_from_pod({"metadata": {"name": "x"}, "status": {}})
+    assert starting is not None and starting.state is ReplicaState.STARTING
+    unschedulable = {"conditions": [{"type": "PodScheduled", "status": "False"}]}
+    pending = replica_from_pod({"metadata": {"name": "y"}, "status": unschedulable})
+    assert pending is not None and pending.state is ReplicaState.PENDING
+    deleted = {"name": "z", "deletionTimestamp": "2024-01-01T00:00:00Z"}
+    assert replica_from_pod({"metadata": deleted, "status": {}}) is None
+
+
+async def test_an_unreadable_gateway_is_unknown_not_an_empty_queue() -> None:
+    def no_engine(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"pending replicas are not scraped: {request.url}")
+
+    pending = ReplicaTarget(name="p", base_url="", state=ReplicaState.PENDING)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(no_engine)) as client:
+        unread = await observe_deployment(
+            client=client, gateway=None, replicas=[pending], gateway_known=False
+        )
+        read = await observe_deployment(client=client, gateway=None, replicas=[pending])
+    assert unread.unknown == ("gateway",) and read.unknown == ()
+    assert [r.state for r in unread.replicas] == [ReplicaState.PENDING]
 
 
 async def test_kubernetes_actuator_annotates_scales_and_explains() -> None:
-    calls: list[tuple[str, str, dict]] = []
+    def answer(call: Call) -> tuple[int, Any]:
+        return 200, {"spec": {"replicas": 3}} if call.method == "GET" else {}
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else {}
-        calls.append((request.method, request.url.path, body))
-        if request.method == "GET":
-            return httpx.Response(200, json={"spec": {"replicas": 3}})
-        return httpx.Response(200, json={})
-
-    kube = KubeClient(
-        httpx.AsyncClient(base_url="https://api", transport=httpx.MockTransport(handler))
-    )
     replicas = (
         ReplicaLoad(name="p0", state=ReplicaState.READY, running=5),
         ReplicaLoad(name="p1", state=ReplicaState.READY, running=0, kv_cache_usage=0.1),
         ReplicaLoad(name="p2", state=ReplicaState.READY, running=2),
     )
     obs = Observation(replicas=replicas)
-    targets = ScalingTargets(
-        min_replicas=1, max_replicas=5, target_per_replica=4, scale_down_delay_s=0
+    # What the policy says for this pool (its own tests pin that down): one fewer, p1 goes.
+    decision = Decision(
+        desired=2,
+        current=3,
+        reason=Reason.SCALE_DOWN,
+        victim="p1",
+        demand=7,
+        state=PolicyState(),
+        message="down 3→2: demand 7 fits 2 replicas for 300 s",
     )
-    decision = decide(obs, targets, now=0)
-    assert decision.desired == 2 and decision.victim == "p1"
-    await KubernetesActuator(kube, "ns").apply("llm", decision, obs)
-    await kube.aclose()
+    async with fake_kube(answer) as (api, kube):
+        await KubernetesActuator(kube, "ns").apply("llm", decision, obs)
 
+    calls = [(c.method, c.path, c.body or {}) for c in api.calls]
     annotations = {
         path.rsplit("/", 1)[1]: body["metadata"]["annotations"][POD_DELETION_COST]
         for method, path, body in calls
@@ -139,10 +159,16 @@ async def test_kubernetes_actuator_annotates_scales_and_explains() -> None:
     assert annotations == {"p1": "-1", "p2": "1", "p0": "2"}
     scale = [b for m, p, b in calls if m == "PATCH" and p.endswith("/llm/scale")]
     assert scale == [{"spec": {"replicas": 2}}]
+    assert {c.query["fieldManager"] for c in api.calls if c.method == "PATCH"} == {
+        "servefleet-autoscaler"
+    }
     assert calls[-1][1] == "/api/v1/namespaces/ns/events"
     event = calls[-1][2]
     assert event["involvedObject"]["kind"] == "LLMDeployment"
-    assert "3 -> 2: scale_down" in event["message"]
+    assert event["message"] == (
+        "replicas 3 -> 2: down 3→2: demand 7 fits 2 replicas for 300 s "
+        "(reason scale_down, demand 7, victim p1)"
+    )
     order = [p for _, p, _ in calls]
     assert max(i for i, p in enumerate(order) if "/pods/" in p) < order.index(
         "/apis/servefleet.io/v1alpha1/namespaces/ns/llmdeployments/llm/scale", 1
@@ -150,20 +176,11 @@ async def test_kubernetes_actuator_annotates_scales_and_explains() -> None:
 
 
 async def test_kubernetes_actuator_leaves_an_unchanged_pool_alone() -> None:
-    calls: list[str] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        calls.append(request.method)
-        return httpx.Response(200, json={"spec": {"replicas": 1}})
-
-    kube = KubeClient(
-        httpx.AsyncClient(base_url="https://a", transport=httpx.MockTransport(handler))
-    )
     obs = Observation(replicas=(ReplicaLoad(name="p0", state=ReplicaState.READY),))
     targets = ScalingTargets(min_replicas=1, max_replicas=3, target_per_replica=4)
-    await KubernetesActuator(kube, "ns").apply("llm", decide(obs, targets, now=0), obs)
-    await kube.aclose()
-    assert calls == []
+    async with fake_kube(lambda call: (200, {"spec": {"replicas": 1}})) as (api, kube):
+        await KubernetesActuator(kube, "ns").apply("llm", decide(obs, targets, now=0), obs)
+    assert api.calls == []
 
 
 def test_every_decision_is_a_metric() -> None:

@@ -32,8 +32,17 @@ def test_chart_versions_follow_the_package() -> None:
 
 def test_dockerfile_is_pinned_and_runs_servefleet() -> None:
     text = (ROOT / "Dockerfile").read_text()
+    # Every FROM is an earlier stage or an image argument whose default is pinned.
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)", text, flags=re.MULTILINE))
+    defaults = dict(re.findall(r"^ARG (\w+_IMAGE)=(\S+)", text, flags=re.MULTILINE))
     images = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
-    assert images and all(re.search(r":\d+\.\d+\.\d+", image) for image in images)
+    assert images and defaults
+    for image in images:
+        if image in stages:
+            continue
+        assert image.startswith("${") and image[2:-1] in defaults, image
+    assert all(re.search(r":\d+\.\d+\.\d+", image) for image in defaults.values())
+    assert {"control-plane", "engine", "engine-cpu"} <= stages
     assert 'ENTRYPOINT ["servefleet"]' in text
     assert "--frozen" in text
 

@@ -103,7 +103,6 @@ def test_cel_rules_cover_the_pydantic_cross_field_rules() -> None:
         "pool.minReplicas must be <= pool.maxReplicas",
         "spillover.enabled needs baseURL, model and apiKeySecretRef",
         "model.source needs exactly one of builtin, pvc or url",
-        "replicas must be within [pool.minReplicas, pool.maxReplicas]",
         "spillover.tenants must name tenants listed in spec.tenants",
     ):
         assert expected in messages

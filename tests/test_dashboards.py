@@ -2,8 +2,8 @@
 
 Static half of the proof (fast, no Prometheus): every metric a panel names exists in the
 engine's, gateway's or autoscaler's own registry with the labels the query uses, and the
-operator's engine adapters name real series. `e2e/test_dashboards.py` evaluates every query
-against a real Prometheus scraping real processes.
+engine adapters (`servefleet.api.engines`) name real series. `e2e/test_dashboards.py`
+evaluates every query against a real Prometheus scraping real processes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from servefleet.autoscaler.engine_metrics import METRIC_NAMES
+from servefleet.api.engines import ENGINE_ADAPTERS
 from servefleet.autoscaler.telemetry import AutoscalerMetrics
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.gateway.metrics import GatewayMetrics
-from servefleet.operator.adapters import ADAPTERS
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "charts" / "servefleet" / "files" / "dashboards"
 # Labels Prometheus adds to every scraped series, and the histogram bucket label.
@@ -130,17 +129,12 @@ def test_template_variables_are_only_used_as_regex_matchers(
 
 
 def test_engine_adapters_name_series_the_engines_export() -> None:
-    """Our engine exports vLLM's names; the operator and autoscaler must agree on them."""
+    """Our engine exports vLLM's names, which the adapters table (read by the operator and
+    the autoscaler alike) must name."""
     ours = exported_series(EngineMetrics("m").registry)
-    servefleet = ADAPTERS["servefleet"].metrics
+    servefleet = ENGINE_ADAPTERS["servefleet"].metrics
     for name in (servefleet.requests_waiting, servefleet.requests_running):
         assert name in ours
     assert servefleet.kv_cache_usage in ours
-    for kind, adapter in ADAPTERS.items():
-        autoscaler = METRIC_NAMES[kind]
-        assert (
-            adapter.metrics.requests_waiting,
-            adapter.metrics.requests_running,
-            adapter.metrics.kv_cache_usage,
-        ) == (autoscaler.waiting, autoscaler.running, autoscaler.kv_cache_usage), kind
-    assert ADAPTERS["vllm"].metrics.kv_cache_usage == "vllm:kv_cache_usage_perc"
+    assert ENGINE_ADAPTERS["vllm"].metrics == servefleet
+    assert ENGINE_ADAPTERS["vllm"].metrics.kv_cache_usage == "vllm:kv_cache_usage_perc"

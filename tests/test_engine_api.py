@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from servefleet.engine.app import BuiltEngine, resolve_kv_cache_dtype
 from servefleet.engine.model.llama import kv_bytes_per_block
+from servefleet.engine.process import BuiltEngine, resolve_kv_cache_dtype
 from tests.support.engine_harness import make_engine
 from tests.support.http_server import serve_in_thread
 
@@ -208,6 +208,28 @@ def test_invalid_json_and_chat_errors(url: str) -> None:
     assert r.status_code == 400
 
 
+def test_text_parts_are_read_and_other_parts_refused(url: str) -> None:
+    """A text model honours text parts and refuses an image with a 400 that names the part
+    (the gateway answers the same, from the same validation in servefleet.text)."""
+    question = [
+        {"type": "text", "text": "What is the capital "},
+        {"type": "text", "text": "of France?"},
+    ]
+    bodies = [
+        {"model": MODEL, "messages": [{"role": "user", "content": c}], "max_tokens": 1}
+        for c in (question, "What is the capital of France?")
+    ]
+    usages = [httpx.post(f"{url}/v1/chat/completions", json=b, timeout=60).json() for b in bodies]
+    assert usages[0]["usage"]["prompt_tokens"] == usages[1]["usage"]["prompt_tokens"]
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [*question, image]}]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.content"
+    assert "content part 2 has type 'image_url'" in error["message"]
+
+
 def test_request_bigger_than_the_cache_is_refused(smollm2) -> None:  # type: ignore[no-untyped-def]
     kv_dtype = resolve_kv_cache_dtype("auto", torch.float32)
     eight_blocks = 8 * kv_bytes_per_block(smollm2.config, 16, kv_dtype)
@@ -385,8 +407,8 @@ def test_cli_flags_reach_the_engine_config() -> None:
 
 
 def test_sliding_window_caps_the_context_length(smollm2) -> None:  # type: ignore[no-untyped-def]
-    from servefleet.engine.app import serving_context_length
     from servefleet.engine.config import EngineConfig
+    from servefleet.engine.process import serving_context_length
 
     config = EngineConfig(model=MODEL)
     windowed = smollm2.config.model_copy(update={"sliding_window": 1024})

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from servefleet.engine.app import resolve_kv_cache_dtype
+from servefleet.engine.process import resolve_kv_cache_dtype
 from servefleet.engine.sampling_params import SamplingParams
 from tests.support.engine_harness import generate, generate_all, make_engine, wait_idle
 

@@ -21,9 +21,11 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
+from servefleet.bench.fake_upstream import FakeOpenAI
+from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.discovery import EndpointSliceWatcher, KubernetesApi
-from servefleet.gateway.fake_upstream import FakeOpenAI, serve_in_thread
+from servefleet.gateway.discovery import EndpointSliceWatcher
+from servefleet.kube import KubeAccess
 
 Scope = dict[str, Any]
 
@@ -115,7 +117,8 @@ def script() -> Iterator[tuple[FakeKubernetes, str]]:
 async def test_list_then_watch_then_relist_after_a_410(script: tuple[FakeKubernetes, str]) -> None:
     fake, url = script
     updates: list[tuple[list[str], list[str]]] = []
-    watcher = EndpointSliceWatcher(KubernetesApi(url, token="sa-token"), SERVICE, retry_s=0.05)
+    access = KubeAccess(server=url, token="sa-token")  # type: ignore[arg-type]
+    watcher = EndpointSliceWatcher(access, SERVICE, retry_s=0.05)
     task = asyncio.create_task(watcher.run(lambda every, ready: updates.append((every, ready))))
     try:
         async with asyncio.timeout(10):
@@ -168,14 +171,13 @@ def test_the_gateway_routes_to_what_the_endpointslices_list() -> None:
             routing=RoutingConfig(probe_interval_seconds=3600),
         )
         with serve_in_thread(fake) as api:
-            gateway = Gateway(config, kubernetes=KubernetesApi(api))
+            gateway = Gateway(config, kubernetes=KubeAccess(server=api))
             with serve_in_thread(gateway) as base:
                 try:
                     states: dict[str, str] = {}
                     for _ in range(200):
                         states = {
-                            r["endpoint"]: r["state"]
-                            for r in gateway.deployment_stats()[0]["replicas"]
+                            r.endpoint: r.state for r in gateway.deployment_stats()[0].replicas
                         }
                         if states.get(first) == "ready":
                             break

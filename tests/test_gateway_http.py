@@ -22,8 +22,9 @@ from servefleet.api.gateway_config import (
     hash_api_key,
 )
 from servefleet.api.llmdeployment import SpilloverSpec, TenantLimits
+from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
+from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.fake_upstream import FakeBehaviour, FakeOpenAI, serve_in_thread
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
 CHAT: dict[str, Any] = {"model": "m", "messages": MESSAGES, "max_tokens": 8}
@@ -237,7 +238,7 @@ def test_failed_replica_is_retried_elsewhere_and_ejected(rig: Rig) -> None:
         r = httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT)
         assert r.status_code == 200
     assert len(bad.stats.requests) == 1  # ejected after its first failure
-    states = {r["endpoint"]: r["state"] for r in rig.gateway.deployment_stats()[0]["replicas"]}
+    states = {r.endpoint: r.state for r in rig.gateway.deployment_stats()[0].replicas}
     assert "ejected" in states.values()
 
 
@@ -277,3 +278,26 @@ def test_internal_api_reports_and_updates_replicas(rig: Rig) -> None:
         ).status_code
         == 404
     )
+
+
+def test_every_lease_is_given_back_after_a_burst_that_queues(rig: Rig) -> None:
+    # More requests than the one replica's slots: some are served at once, the rest queue and
+    # are handed a slot as others end; afterwards nothing may still count as busy.
+    rig.fakes[0].behaviour.token_delay_s = 0.01
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=rig.base, timeout=30) as client:
+            calls = [
+                client.post(
+                    "/v1/chat/completions", headers=auth("a"), json={**CHAT, "stream": i % 2 == 0}
+                )
+                for i in range(24)
+            ]
+            return [r.status_code for r in await asyncio.gather(*calls)]
+
+    codes = asyncio.run(burst())
+    assert codes == [200] * 24
+    stats = rig.gateway.deployment_stats()[0]
+    assert stats.queue_depth == 0 and stats.in_flight == 0
+    assert [r.outstanding for r in stats.replicas] == [0]
+    assert stats.queue_wait_p90_seconds is not None and stats.queue_wait_p90_seconds > 0

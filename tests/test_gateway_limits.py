@@ -11,14 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from servefleet.gateway.limits import (
-    FailoverLimiter,
-    LimitPolicy,
-    LimitScope,
-    LocalLimiter,
-    RedisLimiter,
-    RequestTooLarge,
-)
+from servefleet.bench.processes import free_port
+from servefleet.gateway.limits import LimitPolicy, LimitScope, LocalLimiter, RequestTooLarge
+from servefleet.gateway.limits_redis import FailoverLimiter, RedisLimiter
 
 
 class Clock:
@@ -84,12 +79,6 @@ async def test_burst_of_20_with_room_for_5_admits_exactly_5_in_process() -> None
 # --- a real Redis ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_redis(port: int) -> subprocess.Popen[bytes]:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -115,7 +104,7 @@ def start_redis(port: int) -> subprocess.Popen[bytes]:
 
 @pytest.fixture
 def redis_port() -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     proc = start_redis(port)
     yield port
     proc.terminate()
@@ -160,7 +149,7 @@ async def test_redis_concurrency_slots_are_released(redis_port: int) -> None:
 
 
 async def test_redis_down_falls_back_to_per_replica_limits_and_recovers() -> None:
-    port = _free_port()
+    port = free_port()
     errors: list[str] = []
     limiter = FailoverLimiter(
         RedisLimiter(f"redis://127.0.0.1:{port}/0", timeout_s=0.2),
@@ -220,7 +209,7 @@ async def test_spill_cap_falls_back_to_a_per_replica_share_without_redis() -> No
 
     from servefleet.gateway.spill_budget import RedisSpillBudget
 
-    port = _free_port()
+    port = free_port()
     client = redis_asyncio.Redis.from_url(
         f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.2, socket_timeout=0.2
     )
@@ -254,8 +243,9 @@ def test_two_gateways_sharing_redis_spill_no_more_than_the_cap_over_http(redis_p
         hash_api_key,
     )
     from servefleet.api.llmdeployment import SpilloverSpec
+    from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
+    from servefleet.bench.processes import serve_in_thread
     from servefleet.gateway.app import Gateway
-    from servefleet.gateway.fake_upstream import FakeBehaviour, FakeOpenAI, serve_in_thread
 
     hosted = FakeOpenAI(FakeBehaviour(require_key="hosted-key"))
     with serve_in_thread(hosted) as hosted_url:

@@ -20,9 +20,11 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
+from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.llmdeployment import AdmissionSpec, PoolSpec
+from servefleet.bench.fake_upstream import FakeOpenAI
+from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.fake_upstream import FakeOpenAI, serve_in_thread
 
 BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -43,7 +45,7 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def states(gateway: Gateway) -> dict[str, str]:
-    return {r["endpoint"]: r["state"] for r in gateway.deployment_stats()[0]["replicas"]}
+    return {r.endpoint: r.state for r in gateway.deployment_stats()[0].replicas}
 
 
 @pytest.fixture
@@ -77,11 +79,11 @@ def test_probes_bring_replicas_in_measure_cold_start_and_take_draining_ones_out(
     gateway, base, fakes, urls = probed
     loading, up = urls
     wait_until(lambda: states(gateway) == {loading: "starting", up: "ready"})
-    assert gateway.deployment_stats()[0]["cold_start_seconds"] == 300.0  # nothing measured yet
+    assert gateway.deployment_stats()[0].cold_start_seconds == 300.0  # nothing measured yet
     fakes[0].behaviour.ready = True  # finished loading
     wait_until(lambda: states(gateway)[loading] == "ready")
     # Seen loading, then ready: a measured cold start replaces the 300 s assumption.
-    assert gateway.deployment_stats()[0]["cold_start_seconds"] < 30.0
+    assert gateway.deployment_stats()[0].cold_start_seconds < 30.0
     fakes[1].behaviour.ready = False  # draining (SIGTERM): readiness fails first
     wait_until(lambda: states(gateway)[up] == "draining")
     for _ in range(3):
@@ -105,6 +107,30 @@ def test_a_probe_that_cannot_connect_takes_a_ready_replica_out() -> None:
         gateway.set_replicas("d", [url, gone], ready=[url, gone])
         stack.enter_context(serve_in_thread(gateway))
         wait_until(lambda: states(gateway) == {url: "ready", gone: "draining"})
+
+
+def test_probes_ask_the_engine_adapters_ready_path() -> None:
+    """vLLM has no /ready (its /health answers once warm): the configured path is the one asked."""
+    fakes = [FakeOpenAI(), FakeOpenAI()]
+    for fake in fakes:
+        fake.behaviour.ready = False  # /ready answers 503, /health 200
+    with ExitStack() as stack:
+        urls = [stack.enter_context(serve_in_thread(f)) for f in fakes]
+        config = GatewayConfig(
+            tenants=[tenant("a")],
+            deployments=[
+                GatewayDeployment(name=name, model=name, endpoints=[url], ready_path=path)
+                for name, url, path in (("ours", urls[0], "/ready"), ("vllm", urls[1], "/health"))
+            ],
+            routing=RoutingConfig(probe_interval_seconds=0.05),
+        )
+        gateway = Gateway(config)
+        stack.enter_context(serve_in_thread(gateway))
+        wait_until(
+            lambda: (
+                [s.replicas[0].state for s in gateway.deployment_stats()] == ["starting", "ready"]
+            )
+        )
 
 
 def test_an_interactive_request_pushes_a_queued_batch_one_out_over_http() -> None:
@@ -133,7 +159,7 @@ def test_an_interactive_request_pushes_a_queued_batch_one_out_over_http() -> Non
         gateway.set_replicas("d", [url], ready=[url])
         base = stack.enter_context(serve_in_thread(gateway))
 
-        def stats() -> dict[str, Any]:
+        def stats() -> DeploymentStats:
             return gateway.deployment_stats()[0]
 
         async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
@@ -142,12 +168,12 @@ def test_an_interactive_request_pushes_a_queued_batch_one_out_over_http() -> Non
                 busy = asyncio.create_task(
                     post("/v1/chat/completions", json=BODY, headers=auth("live"))
                 )
-                while stats()["in_flight"] < 1:
+                while stats().in_flight < 1:
                     await asyncio.sleep(0.01)
                 batch = asyncio.create_task(
                     post("/v1/chat/completions", json=BODY, headers=auth("nightly"))
                 )
-                while stats()["queue_depth_batch"] < 1:
+                while stats().queue_depth_batch < 1:
                     await asyncio.sleep(0.01)
                 interactive = await post("/v1/chat/completions", json=BODY, headers=auth("live"))
                 return await busy, await batch, interactive
@@ -159,6 +185,7 @@ def test_an_interactive_request_pushes_a_queued_batch_one_out_over_http() -> Non
     assert int(batch.headers["retry-after"]) >= 1
     # The percentiles the autoscaler reads: the interactive one waited ~ one service time.
     reported = stats()
-    assert reported["queue_wait_p90_seconds"] is not None
-    assert reported["queue_wait_p90_seconds"] > 0.1
-    assert reported["ttft_p90_seconds"] >= reported["queue_wait_p90_seconds"]
+    queue_wait, ttft = reported.queue_wait_p90_seconds, reported.ttft_p90_seconds
+    assert queue_wait is not None and ttft is not None
+    assert queue_wait > 0.1
+    assert ttft >= queue_wait

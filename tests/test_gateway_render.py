@@ -105,6 +105,15 @@ def test_kubernetes_mode_points_at_mounted_secrets_and_services() -> None:
     assert config.deployments[0].service == service and config.deployments[0].endpoints == []
 
 
+def test_the_ready_path_comes_from_the_engine_adapter() -> None:
+    vllm = deployment("big", "m2")
+    vllm.spec.engine.kind = "vllm"
+    config = render_gateway_config(
+        [deployment("one", "m1"), vllm], {}, MountedSecretKeys("/etc/servefleet/secrets/")
+    )
+    assert [d.ready_path for d in config.deployments] == ["/ready", "/health"]
+
+
 def test_a_tenant_with_different_limits_in_two_deployments_is_refused() -> None:
     other = deployment("two", "m2")
     other.spec.tenants[0].limits.tokens_per_minute = 5

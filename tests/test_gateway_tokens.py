@@ -18,8 +18,9 @@ from servefleet.api.gateway_config import (
     hash_api_key,
 )
 from servefleet.api.llmdeployment import TenantLimits
+from servefleet.bench.fake_upstream import FakeOpenAI
+from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.fake_upstream import FakeOpenAI, serve_in_thread
 from servefleet.gateway.prompt import PromptReader
 from servefleet.gateway.token_counter import PromptTokenCounter, load_token_counter
 
@@ -50,6 +51,15 @@ def test_counts_follow_the_chat_template_and_the_vocabulary(counter: PromptToken
     assert counter.completion([1, 2, 3]) is None  # ids: the reader counts those exactly
     estimate = PromptReader().chat(MESSAGES).estimated_tokens
     assert estimate != chat  # the estimate really is only an estimate
+
+
+def test_text_parts_count_as_their_text(counter: PromptTokenCounter) -> None:
+    parts = [
+        {"type": "text", "text": "What is the capital "},
+        {"type": "text", "text": "of France?"},
+    ]
+    as_parts = [MESSAGES[0], {"role": "user", "content": parts}]
+    assert counter.chat(as_parts) == counter.chat(MESSAGES)
 
 
 def test_a_source_that_is_not_here_is_a_clear_error(tmp_path: Any) -> None:
@@ -104,7 +114,7 @@ def test_the_gateway_reserves_the_tokenizers_count_once_loaded(
     gateway = gateway_for(upstream, BUILTIN)
     with serve_in_thread(gateway) as base:
         deadline = time.monotonic() + 120
-        while gateway.deployment_stats()[0]["prompt_token_count"] != "tokenizer":
+        while gateway.deployment_stats()[0].prompt_token_count != "tokenizer":
             assert time.monotonic() < deadline, "the tokenizer never loaded"
             time.sleep(0.1)
         assert reserved(base) == counter.chat(MESSAGES)
@@ -119,5 +129,24 @@ def test_without_the_model_here_the_estimate_is_reserved(
         while "not loaded" not in caplog.text:
             assert time.monotonic() < deadline, "no log line about the missing tokenizer"
             time.sleep(0.05)
-        assert gateway.deployment_stats()[0]["prompt_token_count"] == "estimate"
+        assert gateway.deployment_stats()[0].prompt_token_count == "estimate"
         assert reserved(base) == PromptReader().chat(MESSAGES).estimated_tokens
+
+
+def test_an_image_part_is_refused_with_a_400_naming_it(upstream: str) -> None:
+    """A text model cannot read an image: the gateway refuses it before reserving anything,
+    with the same message the engine gives, instead of counting only the text around it."""
+    gateway = gateway_for(upstream, BUILTIN)
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    content = [{"type": "text", "text": "What is this?"}, image]
+    with serve_in_thread(gateway) as base:
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": content}]},
+            headers={"authorization": "Bearer key-a"},
+        )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.content"
+    assert "content part 1 has type 'image_url'" in error["message"]
+    assert "x-ratelimit-remaining-tokens" not in r.headers

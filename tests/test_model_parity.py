@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from servefleet.engine.app import resolve_kv_cache_dtype
 from servefleet.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from servefleet.engine.kernels import (
     TORCH_MATMUL,
@@ -18,10 +17,11 @@ from servefleet.engine.kernels import (
     select_fused_ops,
     select_matmul,
 )
-from servefleet.engine.model.builtin import resolve_builtin
 from servefleet.engine.model.conversion_cache import entry_dir
 from servefleet.engine.model.llama import LlamaForCausalLM, allocate_kv_cache
 from servefleet.engine.model.loader import LoadedModel, load_model, read_checkpoint
+from servefleet.engine.process import resolve_kv_cache_dtype
+from servefleet.text.builtin import resolve_builtin
 
 NEW_TOKENS = 32
 BLOCK_SIZE = 16

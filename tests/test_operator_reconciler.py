@@ -14,8 +14,9 @@ import kopf
 import pytest
 
 from servefleet.api import LLMDeployment
+from servefleet.kube import KubeError, ObjectList
+from servefleet.kube.resources import Resource
 from servefleet.operator.handlers import OperatorSettings, Reconciler, plain
-from servefleet.operator.kube import KubeError
 from servefleet.operator.status import EventSpec
 
 
@@ -35,20 +36,21 @@ class RecordingClient:
         return obj
 
     async def get(
-        self, api_version: str, kind: str, namespace: str | None, name: str
+        self, resource: Resource, namespace: str | None, name: str
     ) -> dict[str, Any] | None:
-        return self.objects.get((kind, name))
+        return self.objects.get((resource.kind, name))
 
     async def patch_status(
-        self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any]
+        self, resource: Resource, namespace: str, name: str, patch: dict[str, Any], manager: str
     ) -> dict[str, Any]:
+        assert (resource.kind, manager) == ("LLMDeployment", "servefleet-operator")
         self.status_patches.append(copy.deepcopy(patch))
         return patch
 
     async def list(
-        self, api_version: str, kind: str, namespace: str | None
-    ) -> list[dict[str, Any]]:
-        return self.listed
+        self, resource: Resource, namespace: str | None, label_selector: str | None = None
+    ) -> ObjectList:
+        return ObjectList(items=self.listed)
 
     async def has_api(self, group_version: str, plural: str) -> bool:
         return False

@@ -10,9 +10,14 @@ import pytest
 import yaml
 
 from servefleet.api import LLMDeployment, load_llmdeployments
+from servefleet.api.conventions import (
+    LABEL_DEPLOYMENT,
+    LABEL_GATEWAY_ROUTE,
+    ROUTE_GATEWAY_KEY,
+)
+from servefleet.api.engines import ENGINE_ADAPTERS
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.operator import render
-from servefleet.operator.adapters import ADAPTERS, parse_kv_cache_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = Path(__file__).with_name("test_operator_render_snapshot.yaml")
@@ -42,7 +47,7 @@ def test_children_match_the_snapshot() -> None:
     objs = render.children(example(), SETTINGS, with_service_monitor=True)
     # gateway.yaml is the gateway's own format (checked against GatewayConfig below);
     # the snapshot pins what the operator decides, not the gateway's defaults.
-    objs[0]["data"]["gateway.yaml"] = "<GatewayConfig fragment>"
+    objs[0]["data"][ROUTE_GATEWAY_KEY] = "<GatewayConfig fragment>"
     text = yaml.safe_dump_all(objs, sort_keys=True)
     if os.environ.get("SERVEFLEET_UPDATE_SNAPSHOTS") == "1":
         SNAPSHOT.write_text(text)
@@ -72,7 +77,7 @@ def test_every_child_is_owned_by_the_cr_and_labelled() -> None:
             "blockOwnerDeletion": True,
         }
         assert obj["metadata"]["namespace"] == "default"
-        assert obj["metadata"]["labels"]["servefleet.io/llmdeployment"] == "smollm2"
+        assert obj["metadata"]["labels"][LABEL_DEPLOYMENT] == "smollm2"
     assert "ServiceMonitor" not in by_kind(
         render.children(dep, SETTINGS, with_service_monitor=False)
     )
@@ -106,6 +111,8 @@ def test_engine_deployment_keeps_the_warm_pool_during_rollouts() -> None:
     assert args[args.index("--model") + 1] == "smollm2-135m-instruct"
     assert args[args.index("--served-model-name") + 1] == "smollm2-135m-instruct"
     assert args[args.index("--max-num-seqs") + 1] == "16"
+    # The engine queues no more than the gateway sends it (pool.perReplicaConcurrency).
+    assert args[args.index("--max-queue-depth") + 1] == "8"
     assert "--no-prefix-caching" not in args
 
 
@@ -142,7 +149,7 @@ def test_pvc_source_mounts_the_claim_read_only() -> None:
         "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
     } in pod["volumes"]
     (container,) = pod["containers"]
-    assert container["image"] == ADAPTERS["vllm"].default_image
+    assert container["image"] == ENGINE_ADAPTERS["vllm"].default_image
     args = container["args"]
     assert args[args.index("--model") + 1] == "/models/llama-3-8b"
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
@@ -210,8 +217,8 @@ def test_headless_service_and_pdb() -> None:
 
 def test_gateway_route_is_a_gateway_config_with_secret_references_only() -> None:
     configmap = render.gateway_route_configmap(example())
-    assert configmap["metadata"]["labels"][render.LABEL_GATEWAY_ROUTE] == "true"
-    config = GatewayConfig.model_validate(yaml.safe_load(configmap["data"]["gateway.yaml"]))
+    assert configmap["metadata"]["labels"][LABEL_GATEWAY_ROUTE] == "true"
+    config = GatewayConfig.model_validate(yaml.safe_load(configmap["data"][ROUTE_GATEWAY_KEY]))
     (deployment,) = config.deployments
     assert deployment.model == "smollm2-135m-instruct"
     assert deployment.service is not None
@@ -222,28 +229,8 @@ def test_gateway_route_is_a_gateway_config_with_secret_references_only() -> None
     assert source is not None
     assert source.file == "/etc/servefleet/secrets/default/smollm2-demo-key/api-key"
     assert "sk-servefleet" not in str(configmap)
-    engine = yaml.safe_load(configmap["data"]["engine.yaml"])
-    assert engine["metrics"]["requestsWaiting"] == ADAPTERS["servefleet"].metrics.requests_waiting
-    assert engine["port"] == 8000
+    assert set(configmap["data"]) == {ROUTE_GATEWAY_KEY}  # engine facts live in api.engines
 
 
 def test_rendering_is_deterministic() -> None:
     assert render.children(example(), SETTINGS, True) == render.children(example(), SETTINGS, True)
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        (1024, (1024, None)),
-        ("0.9", (None, 0.9)),
-        ("4Gi", (4 << 30, None)),
-        ("2G", (2 * 10**9, None)),
-        ("1", (None, 1.0)),
-    ],
-)
-def test_kv_cache_memory_parsing(
-    value: int | str, expected: tuple[int | None, float | None]
-) -> None:
-    parsed = parse_kv_cache_memory(value)
-    assert parsed is not None
-    assert (parsed.bytes, parsed.fraction) == expected

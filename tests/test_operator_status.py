@@ -150,3 +150,18 @@ def test_events_on_transitions() -> None:
     ]
     scaled = compute_status(dep(replicas=4, status=ready), Observed(deployment(2, 2)), "e", NOW)
     assert ("Normal", "Scaled") in [(e.type, e.reason) for e in transition_events(ready, scaled)]
+
+
+def test_replicas_above_the_pool_are_clamped_and_reported() -> None:
+    clamped = compute_status(dep(replicas=9), Observed(deployment(5, 5)), "e", NOW)
+    assert clamped.desired_replicas == 5
+    assert cond(clamped, "ScalingLimited") == ("True", "ReplicasClamped")
+    limited = clamped.condition("ScalingLimited")
+    assert limited is not None
+    assert limited.message == "spec.replicas 9 is above pool.maxReplicas 5: running 5"
+    within = compute_status(dep(replicas=3), Observed(deployment(3, 3)), "e", NOW)
+    assert cond(within, "ScalingLimited") == ("False", "WithinBounds")
+    events = transition_events(
+        within, compute_status(dep(replicas=9), Observed(deployment(5, 5)), "e", LATER)
+    )
+    assert any(e.reason == "ReplicasClamped" and e.type == "Warning" for e in events)

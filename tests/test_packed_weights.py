@@ -153,8 +153,8 @@ def test_attach_packed_checks_names_and_shapes(smollm2) -> None:  # type: ignore
 
 
 def test_packed_weights_and_fused_ops_follow_the_settings() -> None:
-    from servefleet.engine.app import load_for
     from servefleet.engine.config import EngineConfig
+    from servefleet.engine.process import load_for
 
     off = load_for(EngineConfig(model="smollm2-135m-instruct", packed_weights=False))
     assert off.model.packed_summary()["tensors"] == 0 and off.model.fused_ops is not None

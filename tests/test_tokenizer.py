@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from servefleet.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
-from servefleet.engine.model.builtin import resolve_builtin
-from servefleet.engine.model.gguf_loader import open_gguf
-from servefleet.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from servefleet.text.builtin import resolve_builtin
+from servefleet.text.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from servefleet.text.detokenizer import IncrementalDetokenizer
+from servefleet.text.gguf_metadata import read_gguf_fields
+from servefleet.text.tokenizer import Tokenizer
+from servefleet.text.tokenizer_spec import TokenizerError, TokenizerSpec
 
 TEXTS = [
     "Hello world!",
@@ -37,7 +39,7 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def fields(gguf_path: Path) -> Any:
-    return open_gguf(gguf_path).fields
+    return read_gguf_fields(gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +193,46 @@ def test_incremental_detokenizer_skips_special_tokens(ours: Tokenizer) -> None:
     detok = IncrementalDetokenizer(ours)
     ids = ours.encode("<|im_start|>assistant\nHi!<|im_end|>")
     assert "".join(detok.feed(i) for i in ids) + detok.flush() == "assistant\nHi!"
+
+
+def test_a_stream_that_ends_mid_character_is_flushed(ours: Tokenizer) -> None:
+    """Cut off inside a character (max_tokens), the held-back bytes still come out, as a
+    whole-text decode shows them."""
+    ids = ours.encode("ok 🤖")
+    assert ours.decode(ids[:-1]).endswith("\ufffd")  # the emoji spans several tokens
+    detok = IncrementalDetokenizer(ours)
+    streamed = "".join(detok.feed(i) for i in ids[:-1])
+    assert streamed == "ok" and "\ufffd" not in streamed
+    assert streamed + detok.flush() == ours.decode(ids[:-1])
+    assert detok.flush() == ""
+
+
+def test_sentencepiece_stream_keeps_leading_spaces_and_byte_fallback(tmp_path: Path) -> None:
+    """The first generated token decodes with the prompt as context, so SentencePiece's
+    leading "▁" becomes a space; byte-fallback pieces never show as half characters."""
+    spm = Tokenizer.from_gguf_fields(_spm_gguf(tmp_path / "spm.gguf").fields)
+    prompt = spm.encode("the")
+    for text in ["hello world", "é \u2014 hello", "x\n\nhello"]:
+        ids = spm.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(spm, prompt)
+        deltas = [detok.feed(i) for i in ids] + [detok.flush()]
+        whole = spm.decode(prompt + ids)[len(spm.decode(prompt)) :]
+        assert whole.startswith(" ")
+        assert "".join(deltas) == whole, text
+        assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_decoder_that_rewrites_earlier_text_restarts_the_stream() -> None:
+    """`DecodeStream` refuses a step whose text does not extend the text already handed out;
+    the stream starts again and the rest of the text still comes out."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    backend = HFTokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "?": 3}, unk_token="?"))
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "XYZ")])
+    detok = IncrementalDetokenizer(Tokenizer(backend, TokenizerSpec()))
+    assert [detok.feed(i) for i in (0, 1, 2)] == ["a", "b", "c"]
+    assert detok.flush() == ""
 
 
 CHATS: list[list[dict[str, str]]] = [

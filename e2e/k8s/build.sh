@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds (only when missing) the Kubernetes binaries the e2e tests run against:
-# etcd, kube-apiserver, kube-controller-manager, kubectl and helm, from their Go
-# modules, into ${SERVEFLEET_CACHE_DIR:-~/.cache/servefleet}/k8s/<version>/bin.
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy,
+# kubectl and helm, from their Go modules, into ${SERVEFLEET_CACHE_DIR:-~/.cache/servefleet}/k8s/<version>/bin.
 # Prints that bin directory on its last line. Builds run under `nice -n 19`.
 set -euo pipefail
 
@@ -46,6 +46,9 @@ build() {  # build NAME MODULE_DIR PACKAGE LDFLAGS
 build etcd kube "go.etcd.io/etcd/server/v3" "-s -w"
 build kube-apiserver kube "k8s.io/kubernetes/cmd/kube-apiserver" "$kube_ldflags"
 build kube-controller-manager kube "k8s.io/kubernetes/cmd/kube-controller-manager" "$kube_ldflags"
+build kube-scheduler kube "k8s.io/kubernetes/cmd/kube-scheduler" "$kube_ldflags"
+build kubelet kube "k8s.io/kubernetes/cmd/kubelet" "$kube_ldflags"
+build kube-proxy kube "k8s.io/kubernetes/cmd/kube-proxy" "$kube_ldflags"
 build kubectl kube "k8s.io/kubernetes/cmd/kubectl" "$kube_ldflags"
 build helm helm "helm.sh/helm/v3/cmd/helm" "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 

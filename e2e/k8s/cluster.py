@@ -1,16 +1,17 @@
 """A throwaway control plane for the e2e tests: etcd + kube-apiserver + kube-controller-manager.
 
-No kubelet and no scheduler: pods are created by the real ReplicaSet controller and
-stay unscheduled; the tests mark them Ready through the status subresource, standing
-in for the kubelet. Everything else (RBAC, CRD validation with CEL, defaulting, the
-scale subresource, garbage collection) is the real thing.
+By default there is no kubelet and no scheduler: pods are created by the real ReplicaSet
+controller and stay unscheduled; the API-server-only tests mark them Ready through the
+status subresource, standing in for the kubelet. Everything else (RBAC, CRD validation
+with CEL, defaulting, the scale subresource, garbage collection) is the real thing.
+`for_node=True` makes it the control plane of a real node (`node.py`): the API server
+listens where pods reach it, ServiceAccount tokens are mounted, and kube-scheduler runs.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -20,14 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from servefleet.bench.processes import free_port
+
 ADMIN_TOKEN = "servefleet-e2e-admin-token"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def write_kubeconfig(path: Path, server: str, token: str, namespace: str = "default") -> Path:
@@ -54,6 +50,10 @@ class LocalControlPlane:
 
     bin_dir: Path
     work_dir: Path
+    # Where the API server listens and what it advertises (the `kubernetes` Service).
+    address: str = "127.0.0.1"
+    for_node: bool = False
+    service_cluster_ip_range: str = "10.96.0.0/16"
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     server: str = ""
     kubeconfig: Path = field(default_factory=Path)
@@ -117,7 +117,13 @@ class LocalControlPlane:
             capture_output=True,
         )
         (pki / "tokens.csv").write_text(f'{ADMIN_TOKEN},e2e-admin,e2e-admin,"system:masters"\n')
+        etcd_port = self._start_etcd()
+        self._start_apiserver(pki, etcd_port)
+        self._start_controller_manager(pki)
+        if self.for_node:
+            self._start_scheduler(pki)
 
+    def _start_etcd(self) -> int:
         etcd_port, etcd_peer = free_port(), free_port()
         self._spawn(
             "etcd",
@@ -134,27 +140,29 @@ class LocalControlPlane:
             ],
         )
         self._wait_ready(f"http://127.0.0.1:{etcd_port}/health", None, 30, "etcd")
+        return etcd_port
 
+    def _start_apiserver(self, pki: Path, etcd_port: int) -> None:
         api_port = free_port()
-        self.server = f"https://127.0.0.1:{api_port}"
+        self.server = f"https://{self.address}:{api_port}"
         self._spawn(
             "kube-apiserver",
             [
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.address}",
+                f"--advertise-address={self.address}",
                 f"--secure-port={api_port}",
                 f"--cert-dir={pki}",
                 "--authorization-mode=RBAC",
                 f"--token-auth-file={pki / 'tokens.csv'}",
-                "--service-cluster-ip-range=10.96.0.0/16",
+                f"--service-cluster-ip-range={self.service_cluster_ip_range}",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                # No kubelet mounts tokens here; the plugin would only make pod creation
-                # wait for each namespace's default ServiceAccount.
-                "--disable-admission-plugins=ServiceAccount",
+                *self._admission_args(),
                 "--allow-privileged=true",
+                # The node's name resolves nowhere; logs, exec and port-forward use its IP.
+                "--kubelet-preferred-address-types=InternalIP",
                 "--v=1",
             ],
         )
@@ -163,6 +171,7 @@ class LocalControlPlane:
             self.work_dir / "admin.kubeconfig", self.server, ADMIN_TOKEN
         )
 
+    def _start_controller_manager(self, pki: Path) -> None:
         kcm_port = free_port()
         self._spawn(
             "kube-controller-manager",
@@ -175,9 +184,10 @@ class LocalControlPlane:
                 f"--cert-dir={pki}",
                 "--leader-elect=false",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
-                "--controllers=*,-nodeipam,-nodelifecycle,-persistentvolume-binder,-attachdetach,"
-                "-persistentvolume-expander,-ttl,-bootstrapsigner,-tokencleaner,-cloud-node-lifecycle,"
-                "-service-lb-controller,-node-route-controller",
+                # The self-signed serving certificate holds its CA: pods trust the API
+                # server through the kube-root-ca.crt ConfigMap published from it.
+                f"--root-ca-file={pki / 'apiserver.crt'}",
+                f"--controllers={self._controllers()}",
                 "--concurrent-gc-syncs=10",
                 "--v=1",
             ],
@@ -185,6 +195,55 @@ class LocalControlPlane:
         self._wait_ready(
             f"https://127.0.0.1:{kcm_port}/healthz", ADMIN_TOKEN, 60, "kube-controller-manager"
         )
+
+    def _controllers(self) -> str:
+        off = [
+            "nodeipam",
+            "persistentvolume-binder",
+            "attachdetach",
+            "persistentvolume-expander",
+            "ttl",
+            "bootstrapsigner",
+            "tokencleaner",
+            "cloud-node-lifecycle",
+            "service-lb-controller",
+            "node-route-controller",
+        ]
+        if not self.for_node:
+            off.append("nodelifecycle")
+        # With a node, nodelifecycle lifts the not-ready taint a kubelet registers with.
+        return ",".join(["*", *(f"-{name}" for name in off)])
+
+    def _admission_args(self) -> list[str]:
+        if self.for_node:
+            return []
+        # No kubelet mounts tokens here; the plugin would only make pod creation wait for
+        # each namespace's default ServiceAccount.
+        return ["--disable-admission-plugins=ServiceAccount"]
+
+    def _start_scheduler(self, pki: Path) -> None:
+        port = free_port()
+        self._spawn(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--cert-dir={pki}",
+                "--leader-elect=false",
+                "--v=1",
+            ],
+        )
+        self._wait_ready(f"https://127.0.0.1:{port}/healthz", ADMIN_TOKEN, 60, "kube-scheduler")
+
+    def stop_process(self, name: str) -> None:
+        """End one component (the node stops kube-controller-manager before its pods)."""
+        for pname, proc in self.processes:
+            if pname == name and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=15)
 
     def stop(self) -> None:
         for _, proc in reversed(self.processes):

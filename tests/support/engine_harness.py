@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from servefleet.engine.app import BuiltEngine, build_engine
 from servefleet.engine.config import EngineConfig
 from servefleet.engine.loop import EngineRequest
 from servefleet.engine.model.loader import LoadedModel
+from servefleet.engine.process import BuiltEngine, build_engine
 from servefleet.engine.protocol import new_id
 from servefleet.engine.sampling_params import SamplingParams
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from servefleet.api.conventions import LABEL_APP_PART_OF, PART_OF
 from servefleet.api.llmdeployment import (
     API_GROUP,
     API_VERSION,
@@ -159,7 +160,7 @@ def crd_manifest() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": CRD_NAME,
-            "labels": {"app.kubernetes.io/part-of": "servefleet"},
+            "labels": {LABEL_APP_PART_OF: PART_OF},
         },
         "spec": {
             "group": API_GROUP,

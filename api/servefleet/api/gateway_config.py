@@ -19,6 +19,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from servefleet.api.engines import engine_adapter
 from servefleet.api.llmdeployment import (
     AdmissionSpec,
     LLMDeployment,
@@ -140,6 +141,11 @@ class GatewayDeployment(ConfigModel):
     )
     service: ServiceRef | None = Field(default=None, description="EndpointSlices to watch.")
     block_size: int = Field(default=16, ge=1, description="Engine KV block size, for affinity.")
+    ready_path: str = Field(
+        default="/ready",
+        description="The engine's readiness path (from its adapter: vLLM answers /health only "
+        "once warm, SGLang /health_generate).",
+    )
     tokenizer: str | None = Field(
         default=None,
         description="Model source (built-in name, GGUF file, HF folder) whose tokenizer counts "
@@ -312,6 +318,7 @@ def render_gateway_config(
                 endpoints=list(endpoints.get(dep.name, [])),
                 service=(services or {}).get(dep.name),
                 block_size=spec.engine.block_size,
+                ready_path=engine_adapter(spec.engine.kind).ready_path,
                 # Built-in models ship with the gateway's image too; other sources do not.
                 tokenizer=spec.model.source.builtin,
                 pool=spec.pool,

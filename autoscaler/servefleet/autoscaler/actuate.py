@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .kube import KubeClient
+from servefleet.api.conventions import FIELD_MANAGER_AUTOSCALER, POD_DELETION_COST
+from servefleet.api.llmdeployment import FULL_API_VERSION, KIND
+from servefleet.kube import KubeClient
+from servefleet.kube.resources import LLM_DEPLOYMENTS, PODS
+
 from .policy import Decision
 from .signals import Observation
 from .victim import pod_deletion_costs
-
-POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 
 class Actuator(Protocol):
@@ -36,7 +38,7 @@ class KubernetesActuator:
     async def apply(self, deployment: str, decision: Decision, observation: Observation) -> None:
         if decision.desired == decision.current:
             return  # a pod that died is the ReplicaSet's to replace, not a reason to shrink
-        current_spec = await self._kube.get_scale(self._namespace, deployment)
+        current_spec = await self._kube.get_scale(LLM_DEPLOYMENTS, self._namespace, deployment)
         if current_spec == decision.desired:
             return
         if decision.desired < decision.current:
@@ -44,15 +46,25 @@ class KubernetesActuator:
             if decision.victim is not None:
                 costs[decision.victim] = -1
             for pod, cost in costs.items():
-                await self._kube.annotate_pod(self._namespace, pod, {POD_DELETION_COST: str(cost)})
-        await self._kube.set_scale(self._namespace, deployment, decision.desired)
-        await self._kube.post_event(
-            namespace=self._namespace,
-            deployment=deployment,
+                annotation = {"metadata": {"annotations": {POD_DELETION_COST: str(cost)}}}
+                await self._kube.patch(
+                    PODS, self._namespace, pod, annotation, FIELD_MANAGER_AUTOSCALER
+                )
+        await self._kube.set_scale(
+            LLM_DEPLOYMENTS, self._namespace, deployment, decision.desired, FIELD_MANAGER_AUTOSCALER
+        )
+        await self._kube.create_event(
+            {
+                "apiVersion": FULL_API_VERSION,
+                "kind": KIND,
+                "metadata": {"name": deployment, "namespace": self._namespace},
+            },
+            component=FIELD_MANAGER_AUTOSCALER,
             reason="Scaled",
             message=(
-                f"replicas {current_spec} -> {decision.desired}: {decision.reason.value} "
-                f"(demand {decision.demand}, current {decision.current}"
+                f"replicas {'unset' if current_spec is None else current_spec} -> "
+                f"{decision.desired}: {decision.message or decision.reason.value} "
+                f"(reason {decision.reason.value}, demand {decision.demand}"
                 + (f", victim {decision.victim}" if decision.victim else "")
                 + ")"
             ),

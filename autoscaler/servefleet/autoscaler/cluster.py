@@ -1,7 +1,12 @@
-"""The autoscaler on Kubernetes: every LLMDeployment in a namespace, every `interval`.
+"""The autoscaler on Kubernetes: every LLMDeployment it watches, every `interval`.
+
+It watches the namespaces the operator watches (none named: every namespace), so whatever
+the operator reconciles is also autoscaled.
 
 Replica states come from the engine pods (deleting → draining, Ready → ready, else starting);
-demand from the gateway's `GET /internal/deployments` and each pod's `/metrics`.
+demand from every gateway replica's `GET /internal/deployments` (summed) and each pod's
+`/metrics`. The gateway queue it acts on is also written to `status.queueDepth`, so
+`kubectl get llmd` shows the number the autoscaler scaled by.
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from servefleet.api.conventions import ENGINE_PORT_NAME, FIELD_MANAGER_AUTOSCALER
+from servefleet.api.engines import ENGINE_ADAPTERS
+from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.llmdeployment import LLMDeployment
+from servefleet.kube import KubeClient, KubeError
+from servefleet.kube.resources import LLM_DEPLOYMENTS, PODS
 
 from .actuate import KubernetesActuator
 from .controller import DeploymentAutoscaler
-from .kube import KubeClient
 from .observe import GatewaySource, ReplicaTarget, observe_deployment
 from .signals import Observation, ReplicaState
 from .spec import targets_from_spec
@@ -26,26 +35,37 @@ from .telemetry import AutoscalerMetrics
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENGINE_PORT = 8000
+DEFAULT_ENGINE_PORT = ENGINE_ADAPTERS["servefleet"].port
+
+
+def _condition(status: dict[str, Any], type_: str) -> str | None:
+    for condition in status.get("conditions", []):
+        if condition.get("type") == type_:
+            return str(condition.get("status"))
+    return None
 
 
 def replica_from_pod(pod: dict[str, Any]) -> ReplicaTarget | None:
+    """A pod as the policy sees it; an unschedulable one is PENDING (coming, with patience)."""
     meta, status = pod.get("metadata", {}), pod.get("status", {})
     ip = status.get("podIP")
     if not ip:
-        return None
+        if meta.get("deletionTimestamp"):
+            return None
+        # No node fits (e.g. no free GPU): counts as coming only for a bounded patience.
+        unschedulable = _condition(status, "PodScheduled") == "False"
+        state = ReplicaState.PENDING if unschedulable else ReplicaState.STARTING
+        return ReplicaTarget(name=meta["name"], base_url="", state=state)
     if meta.get("deletionTimestamp"):
         state = ReplicaState.DRAINING
-    elif any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", [])
-    ):
+    elif _condition(status, "Ready") == "True":
         state = ReplicaState.READY
     else:
         state = ReplicaState.STARTING
     port = DEFAULT_ENGINE_PORT
     for container in pod.get("spec", {}).get("containers", []):
         for declared in container.get("ports", []):
-            if declared.get("name") == "http":
+            if declared.get("name") == ENGINE_PORT_NAME:
                 port = int(declared["containerPort"])
     return ReplicaTarget(name=meta["name"], base_url=f"http://{ip}:{port}", state=state)
 
@@ -54,26 +74,40 @@ class ClusterAutoscaler:
     def __init__(
         self,
         kube: KubeClient,
-        namespace: str,
+        namespaces: list[str],
         gateway: GatewaySource,
         metrics: AutoscalerMetrics,
         http: httpx.AsyncClient,
     ) -> None:
         self._kube = kube
-        self._namespace = namespace
+        self._namespaces = namespaces  # empty: every namespace
         self._gateway = gateway
         self._metrics = metrics
         self._http = http
-        self._actuator = KubernetesActuator(kube, namespace)
-        self._scalers: dict[str, DeploymentAutoscaler] = {}
+        self._actuators: dict[str, KubernetesActuator] = {}
+        self._scalers: dict[tuple[str, str], DeploymentAutoscaler] = {}
+
+    async def _list_deployments(self) -> list[dict[str, Any]]:
+        if not self._namespaces:
+            return (await self._kube.list(LLM_DEPLOYMENTS, None)).items
+        items: list[dict[str, Any]] = []
+        for namespace in self._namespaces:
+            items += (await self._kube.list(LLM_DEPLOYMENTS, namespace)).items
+        return items
+
+    def _actuator(self, namespace: str) -> KubernetesActuator:
+        if namespace not in self._actuators:
+            self._actuators[namespace] = KubernetesActuator(self._kube, namespace)
+        return self._actuators[namespace]
 
     async def tick(self) -> None:
-        items = await self._kube.list_llmdeployments(self._namespace)
+        items = await self._list_deployments()
+        stats: dict[str, DeploymentStats] | None
         try:
             stats = await self._gateway.deployments()
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, KubeError, ValueError) as exc:
             log.warning("gateway stats unavailable (%s); engine metrics only", exc)
-            stats = {}
+            stats = None
         seen = set()
         for item in items:
             try:
@@ -83,23 +117,44 @@ class ClusterAutoscaler:
                 continue
             if not dep.spec.autoscaling.enabled or not dep.status.selector:
                 continue
-            seen.add(dep.name)
+            seen.add((dep.namespace, dep.name))
             scaler = self._scaler(dep, stats)
             scaler.targets = targets_from_spec(dep.spec)
             await scaler.tick(time.monotonic())
+            if stats is not None:
+                await self._report_queue_depth(dep, stats.get(dep.name))
         for gone in set(self._scalers) - seen:
             del self._scalers[gone]
 
-    def _scaler(self, dep: LLMDeployment, stats: dict[str, Any]) -> DeploymentAutoscaler:
-        scaler = self._scalers.get(dep.name)
-        selector, spec, name = dep.status.selector, dep.spec, dep.name
+    async def _report_queue_depth(self, dep: LLMDeployment, stats: DeploymentStats | None) -> None:
+        """`status.queueDepth`: requests waiting in the gateways, written only on change."""
+        depth = stats.queue_depth if stats else 0
+        if depth == dep.status.queue_depth:
+            return
+        patch = {"status": {"queueDepth": depth}}
+        try:
+            await self._kube.patch_status(
+                LLM_DEPLOYMENTS, dep.namespace, dep.name, patch, FIELD_MANAGER_AUTOSCALER
+            )
+        except KubeError as exc:
+            log.warning("%s: cannot write status.queueDepth: %s", dep.name, exc)
+
+    def _scaler(
+        self, dep: LLMDeployment, stats: dict[str, DeploymentStats] | None
+    ) -> DeploymentAutoscaler:
+        """The deployment's autoscaler, observing with this tick's gateway stats (None: the
+        gateways could not be read, so their queue is unknown, never taken as zero)."""
+        key = (dep.namespace, dep.name)
+        scaler = self._scalers.get(key)
+        selector, spec, name, namespace = dep.status.selector, dep.spec, dep.name, dep.namespace
 
         async def observe() -> Observation:
-            pods = await self._kube.list_pods(self._namespace, selector)
+            pods = (await self._kube.list(PODS, namespace, selector)).items
             replicas = [r for r in map(replica_from_pod, pods) if r is not None]
             return await observe_deployment(
                 client=self._http,
-                gateway=stats.get(name),
+                gateway=stats.get(name) if stats is not None else None,
+                gateway_known=stats is not None,
                 replicas=replicas,
                 engine_kind=spec.engine.kind,
                 model_name=spec.model.name,
@@ -107,9 +162,9 @@ class ClusterAutoscaler:
 
         if scaler is None:
             scaler = DeploymentAutoscaler(
-                name, targets_from_spec(spec), observe, self._actuator, self._metrics
+                name, targets_from_spec(spec), observe, self._actuator(namespace), self._metrics
             )
-            self._scalers[name] = scaler
+            self._scalers[key] = scaler
         else:
             scaler.set_observe(observe)
         return scaler

@@ -57,11 +57,12 @@ class DeploymentAutoscaler:
             self.last.reason,
         ):
             log.info(
-                "autoscaler %s: desired %d (current %d, demand %d): %s",
+                "autoscaler %s: desired %d (current %d, demand %d): %s [%s]",
                 self.name,
                 decision.desired,
                 decision.current,
                 decision.demand,
+                decision.message or decision.reason.value,
                 decision.reason.value,
             )
         self.last = decision

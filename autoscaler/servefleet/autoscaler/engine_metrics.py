@@ -1,7 +1,7 @@
 """Engine `/metrics` → replica load, for our engine, vLLM and SGLang alike.
 
-Each engine kind is a small table of metric names; the parser does not care which engine
-wrote the text. Our engine uses vLLM's names on purpose, so it shares vLLM's row.
+The metric names come from the engine adapters in `servefleet.api.engines` (the table the
+operator renders pods from); the parser does not care which engine wrote the text.
 """
 
 from __future__ import annotations
@@ -9,34 +9,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict
 
-
-class EngineMetricNames(BaseModel):
-    """Where one engine kind publishes the three numbers the autoscaler reads."""
-
-    model_config = ConfigDict(frozen=True)
-
-    waiting: str
-    running: str
-    kv_cache_usage: str
-    kv_cache_is_percent: bool = False
-    """True when the engine reports 0..100 instead of 0..1."""
-
-
-VLLM_NAMES = EngineMetricNames(
-    waiting="vllm:num_requests_waiting",
-    running="vllm:num_requests_running",
-    kv_cache_usage="vllm:kv_cache_usage_perc",
-)
-SGLANG_NAMES = EngineMetricNames(
-    waiting="sglang:num_queue_reqs",
-    running="sglang:num_running_reqs",
-    kv_cache_usage="sglang:token_usage",
-)
-METRIC_NAMES: dict[str, EngineMetricNames] = {
-    "servefleet": VLLM_NAMES,
-    "vllm": VLLM_NAMES,
-    "sglang": SGLANG_NAMES,
-}
+from servefleet.api.engines import engine_adapter
 
 
 class EngineLoad(BaseModel):
@@ -59,10 +32,8 @@ def parse_engine_load(text: str, engine_kind: str, model_name: str | None = None
     `model_name` keeps only series with that `model_name` label (several models behind one
     scrape); series without the label are always kept.
     """
-    names = METRIC_NAMES.get(engine_kind)
-    if names is None:
-        raise ValueError(f"unknown engine kind {engine_kind!r}; known: {sorted(METRIC_NAMES)}")
-    wanted = {names.waiting: 0.0, names.running: 0.0, names.kv_cache_usage: 0.0}
+    names = engine_adapter(engine_kind).metrics
+    wanted = {names.requests_waiting: 0.0, names.requests_running: 0.0, names.kv_cache_usage: 0.0}
     seen: set[str] = set()
     try:
         families = list(text_string_to_metric_families(text))
@@ -87,7 +58,7 @@ def parse_engine_load(text: str, engine_kind: str, model_name: str | None = None
     if names.kv_cache_is_percent:
         usage /= 100.0
     return EngineLoad(
-        waiting=int(wanted[names.waiting]),
-        running=int(wanted[names.running]),
+        waiting=int(wanted[names.requests_waiting]),
+        running=int(wanted[names.requests_running]),
         kv_cache_usage=min(1.0, max(0.0, usage)),
     )

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
+
+from servefleet.api.engines import engine_adapter
+from servefleet.api.gateway_stats import DeploymentStats, parse_deployment_stats
 
 from .engine_metrics import EngineLoad, MetricsFormatError, parse_engine_load
 from .signals import Observation, ReplicaLoad, ReplicaState
@@ -22,40 +25,8 @@ from .signals import Observation, ReplicaLoad, ReplicaState
 log = logging.getLogger(__name__)
 
 
-class GatewayReplicaStats(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    endpoint: str
-    state: str = ""
-    outstanding: int = 0
-
-
-class GatewayDeploymentStats(BaseModel):
-    """One entry of the gateway's `GET /internal/deployments` (unknown fields ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    model: str = ""
-    queue_depth: int = Field(default=0, ge=0)
-    in_flight: int = Field(default=0, ge=0)
-    cold_start_seconds: float | None = None
-    queue_wait_p90_seconds: float | None = None
-    ttft_p90_seconds: float | None = None
-    replicas: list[GatewayReplicaStats] = Field(default_factory=list)
-
-
-def parse_gateway_stats(body: Any) -> dict[str, GatewayDeploymentStats]:
-    """Accepts a list of deployments or `{"deployments": [...]}`."""
-    items = body.get("deployments", []) if isinstance(body, Mapping) else body
-    if not isinstance(items, list):
-        raise ValueError("gateway stats: expected a list of deployments")
-    parsed = [GatewayDeploymentStats.model_validate(item) for item in items]
-    return {d.name: d for d in parsed}
-
-
 class GatewaySource(Protocol):
-    async def deployments(self) -> dict[str, GatewayDeploymentStats]: ...
+    async def deployments(self) -> dict[str, DeploymentStats]: ...
 
 
 class HttpGatewaySource:
@@ -66,20 +37,20 @@ class HttpGatewaySource:
         self._client = client
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async def deployments(self) -> dict[str, GatewayDeploymentStats]:
+    async def deployments(self) -> dict[str, DeploymentStats]:
         response = await self._client.get(self._url, headers=self._headers)
         response.raise_for_status()
-        return parse_gateway_stats(response.json())
+        return parse_deployment_stats(response.json())
 
 
 class InProcessGatewaySource:
-    """Local mode: read the gateway's pool objects directly (anything with `.stats()`)."""
+    """Local mode: the in-process gateway's stats, no HTTP in between."""
 
-    def __init__(self, stats: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+    def __init__(self, stats: Callable[[], Iterable[DeploymentStats]]) -> None:
         self._stats = stats
 
-    async def deployments(self) -> dict[str, GatewayDeploymentStats]:
-        return parse_gateway_stats([dict(s) for s in self._stats()])
+    async def deployments(self) -> dict[str, DeploymentStats]:
+        return {s.name: s for s in self._stats()}
 
 
 class ReplicaTarget(BaseModel):
@@ -96,7 +67,8 @@ async def scrape_engine(
     client: httpx.AsyncClient, base_url: str, engine_kind: str, model_name: str | None
 ) -> EngineLoad | None:
     try:
-        response = await client.get(base_url.rstrip("/") + "/metrics")
+        metrics_path = engine_adapter(engine_kind).metrics_path
+        response = await client.get(base_url.rstrip("/") + metrics_path)
         response.raise_for_status()
         return parse_engine_load(response.text, engine_kind, model_name)
     except (httpx.HTTPError, MetricsFormatError) as exc:
@@ -107,18 +79,23 @@ async def scrape_engine(
 async def observe_deployment(
     *,
     client: httpx.AsyncClient,
-    gateway: GatewayDeploymentStats | None,
+    gateway: DeploymentStats | None,
     replicas: Sequence[ReplicaTarget],
     engine_kind: str = "servefleet",
     model_name: str | None = None,
+    gateway_known: bool = True,
 ) -> Observation:
-    """One `Observation`: gateway queue + per-replica engine load + measured latencies."""
+    """One `Observation`: gateway queue + per-replica engine load + measured latencies.
+
+    `gateway_known=False` (the gateways could not be read) marks the queue unknown, so the
+    policy holds instead of reading an empty queue as zero demand.
+    """
     outstanding = {
         r.endpoint.rstrip("/"): r.outstanding for r in (gateway.replicas if gateway else [])
     }
     scrape = [
         scrape_engine(client, r.base_url, engine_kind, model_name)
-        if r.state is not ReplicaState.STARTING
+        if r.state not in (ReplicaState.STARTING, ReplicaState.PENDING)
         else _none()
         for r in replicas
     ]
@@ -143,6 +120,9 @@ async def observe_deployment(
         replicas=tuple(observed),
         queue_wait_s=gateway.queue_wait_p90_seconds if gateway else None,
         ttft_s=gateway.ttft_p90_seconds if gateway else None,
+        gateway_queued_batch=gateway.queue_depth_batch if gateway else 0,
+        mean_service_s=(gateway.mean_service_seconds or None) if gateway else None,
+        unknown=() if gateway_known else ("gateway",),
     )
 
 

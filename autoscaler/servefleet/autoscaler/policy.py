@@ -7,36 +7,19 @@ clock, so what the simulator measures is exactly what runs in production.
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import demand as dm
+from .explain import Facts, Reason, describe
 from .signals import Observation, ReplicaState
 from .targets import ScalingTargets
 from .victim import pick_victim
 
-TREND_WINDOW_S = 60.0
-"""Demand history used to fit the growth trend; long enough to average out Poisson noise."""
-MIN_TREND_SAMPLES = 4
-TREND_SIGNIFICANCE = 2.0
-"""A trend counts only when its slope exceeds this many standard errors."""
+__all__ = ["Decision", "PolicyState", "Reason", "decide"]
+
 COLD_START_SMOOTHING = 0.5
 """Weight of the newest cold-start measurement in its running average."""
-
-
-class Reason(StrEnum):
-    """Why the desired replica count is what it is; exported as a metric label and Event."""
-
-    STEADY = "steady"
-    DEMAND = "demand"
-    PREDICTED_GROWTH = "predicted_growth"
-    LATENCY_OVER_TARGET = "latency_over_target"
-    WAKE_FROM_ZERO = "wake_from_zero"
-    BELOW_MIN = "below_min_replicas"
-    ABOVE_MAX = "above_max_replicas"
-    SCALE_DOWN_DELAY = "scale_down_delay"
-    WAITING_FOR_DRAIN = "waiting_for_drain"
-    SCALE_DOWN = "scale_down"
 
 
 class PolicyState(BaseModel):
@@ -45,27 +28,58 @@ class PolicyState(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     first_seen: float | None = Field(default=None, description="time of the first decision")
+    last_tick: float | None = None
     recommendations: tuple[tuple[float, int], ...] = Field(
-        default=(), description="(time, size demand asked for) over the scale-down delay"
+        default=(), description="(time, size asked for) over the scale-down delay"
     )
-    demand_history: tuple[tuple[float, int], ...] = ()
-    starting_since: dict[str, float] = Field(default_factory=dict)
+    demand_history: dm.History = ()
+    starting_since: dict[str, float] = Field(
+        default_factory=dict, description="pending or starting replicas: since when"
+    )
     cold_start_s: float | None = Field(default=None, description="measured, smoothed")
+    spill_spend: float = Field(default=0.0, description="spent on the current spill-over")
 
 
 class Decision(BaseModel):
-    """The desired size, why, and — on scale-down — which replica should go."""
+    """The desired size, why (as a label and as a sentence), and which replica should go."""
 
     model_config = ConfigDict(frozen=True)
 
     desired: int
     current: int
     reason: Reason
+    message: str = ""
     victim: str | None = None
     demand: int = 0
     demand_trend_per_s: float = 0.0
     cold_start_s: float = 0.0
+    unavailable: int = Field(default=0, description="replicas pending past their patience")
     state: PolicyState
+
+
+class _Tick(BaseModel):
+    """Everything derived from one observation that the rules read."""
+
+    model_config = ConfigDict(frozen=True)
+
+    now: float
+    current: int
+    coming: int
+    unavailable: int
+    headroom: int | None
+    known: bool
+    fresh: bool
+    sample: float
+    sample_size: int
+    level: float
+    prior_level: float
+    burst: bool
+    trend: float
+    fitted: float
+    cold_start_s: float
+    waiting: int
+    spill_budget: float
+    spill_bought: bool
 
 
 def decide(
@@ -76,114 +90,242 @@ def decide(
 ) -> Decision:
     """Desired replicas for one deployment at time `now` (seconds, any epoch)."""
     state = state or PolicyState()
-    starting_since, cold_start = _track_cold_starts(observation, now, state)
-    history = _append_history(state.demand_history, now, observation.demand)
-    trend = _demand_trend(history)
-    cold = cold_start if cold_start is not None else targets.default_cold_start_s
-
-    current = observation.count(ReplicaState.READY) + observation.count(ReplicaState.STARTING)
-    up, up_reason = _scale_up_target(observation, targets, current, trend, cold)
-    first_seen = state.first_seen if state.first_seen is not None else now
-    # Scale-up acts on the latest sample; scale-down on the window mean, so that Poisson
-    # jitter in a flat load does not pin the pool at the noise peaks for the whole delay.
-    settled = min(
-        up, _clamp(math.ceil(_mean_demand(history) / targets.target_per_replica), targets)
-    )
+    tick, new_state = _observe(observation, targets, now, state)
+    up, up_reason, wanted = _scale_up_target(observation, targets, tick)
+    recommendation = math.ceil(dm.with_headroom(tick.level) / targets.target_per_replica)
+    if not tick.known:
+        recommendation = tick.current  # unknown is not zero: it asks for what there is
+    # A scale-up is itself a recommendation, so the delay holds after every one of them.
+    asked = up if up > tick.current else recommendation
     recent = (r for r in state.recommendations if now - r[0] < targets.scale_down_delay_s)
-    recommendations = (*recent, (now, settled))
-    new_state = PolicyState(
-        first_seen=first_seen,
-        recommendations=recommendations,
-        demand_history=history,
-        starting_since=starting_since,
-        cold_start_s=cold_start,
+    recommendations = (*recent, (now, _clamp_to(asked, targets)))
+    new_state = new_state.model_copy(update={"recommendations": recommendations})
+    facts = Facts(
+        current=tick.current,
+        demand=tick.sample,
+        level=tick.level,
+        prior_level=tick.prior_level,
+        burst=tick.burst,
+        waiting=tick.waiting,
+        queued=observation.gateway_queued,
+        queue_wait_s=observation.queue_wait_s,
+        ttft_s=observation.ttft_s,
+        trend_per_s=tick.trend,
+        cold_start_s=tick.cold_start_s,
+        unavailable=tick.unavailable,
+        wanted=wanted,
+        unknown=observation.unknown,
+        spilled_per_s=observation.spilled_per_s,
+        spill_spend=new_state.spill_spend,
+        spill_budget=tick.spill_budget,
+        asked_within_delay=max(n for _, n in recommendations),
     )
 
-    def out(desired: int, reason: Reason, victim: str | None = None) -> Decision:
-        return Decision(
-            desired=desired,
-            current=current,
-            reason=reason,
-            victim=victim,
-            demand=observation.demand,
-            demand_trend_per_s=trend,
-            cold_start_s=cold,
-            state=new_state,
-        )
+    desired, reason, victim = _choose(
+        observation, targets, tick, (up, up_reason), (_first_seen(new_state, now), recommendations)
+    )
+    return Decision(
+        desired=desired,
+        current=tick.current,
+        reason=reason,
+        message=describe(reason, desired, facts, targets),
+        victim=victim,
+        demand=math.ceil(tick.sample),
+        demand_trend_per_s=tick.trend,
+        cold_start_s=tick.cold_start_s,
+        unavailable=tick.unavailable,
+        state=new_state,
+    )
 
+
+def _choose(
+    observation: Observation,
+    targets: ScalingTargets,
+    tick: _Tick,
+    scale_up: tuple[int, Reason],
+    memory: tuple[float, tuple[tuple[float, int], ...]],
+) -> tuple[int, Reason, str | None]:
+    """The rules in order; the first that applies decides."""
+    (up, up_reason), (first_seen, recommendations) = scale_up, memory
+    current = tick.current
     if current < targets.min_replicas:
-        return out(max(up, targets.min_replicas), Reason.BELOW_MIN)
+        return max(up, targets.min_replicas), Reason.BELOW_MIN, None
     if current > targets.max_replicas:
         victim = pick_victim(observation.replicas)
-        return out(targets.max_replicas, Reason.ABOVE_MAX, victim.name if victim else None)
+        return targets.max_replicas, Reason.ABOVE_MAX, victim.name if victim else None
+    if not tick.fresh:
+        return current, Reason.SIGNALS_UNKNOWN, None
     if up > current:
-        return out(up, up_reason)
-    if up == current:
-        return out(current, Reason.STEADY)
-
+        return up, up_reason, None
+    if up_reason is Reason.NO_CAPACITY:
+        return current, Reason.NO_CAPACITY, None
+    if min(up, tick.sample_size) >= current:
+        return current, Reason.SPILLING if observation.spilled_per_s > 0 else Reason.STEADY, None
+    if not tick.known:
+        return current, Reason.SIGNALS_UNKNOWN, None
     # Demand stayed low for the delay when no recommendation within it asked for this size.
-    stayed_low = now - first_seen >= targets.scale_down_delay_s and all(
+    stayed_low = tick.now - first_seen >= targets.scale_down_delay_s and all(
         n < current for _, n in recommendations
     )
     if not stayed_low:
-        return out(current, Reason.SCALE_DOWN_DELAY)
+        return current, Reason.SCALE_DOWN_DELAY, None
     if observation.count(ReplicaState.DRAINING) > 0:
-        return out(current, Reason.WAITING_FOR_DRAIN)
+        return current, Reason.WAITING_FOR_DRAIN, None
+    if observation.count(ReplicaState.STARTING) > 0:
+        # A replica is never stopped before it was ready: its cold start is already paid.
+        return current, Reason.WAITING_FOR_START, None
     victim = pick_victim(observation.replicas)
-    return out(current - 1, Reason.SCALE_DOWN, victim.name if victim else None)
+    return current - 1, Reason.SCALE_DOWN, victim.name if victim else None
+
+
+def _observe(
+    observation: Observation, targets: ScalingTargets, now: float, state: PolicyState
+) -> tuple[_Tick, PolicyState]:
+    """Turn one observation (and the memory) into the numbers the rules use."""
+    starting_since, cold_start = _track_cold_starts(observation, now, state)
+    cold = cold_start if cold_start is not None else targets.default_cold_start_s
+    fresh = observation.observed_at is None or (
+        now - observation.observed_at <= targets.signal_max_age_s
+    )
+    known = fresh and not observation.unknown
+    spend, budget = _spill_spend(observation, targets, now, state, cold)
+    bought = not targets.prices_spill or spend >= budget * (1 - 1e-9)  # float sums
+    sample = dm.interactive_demand(observation, count_spilled=bought)
+    window_s = dm.level_window_s(targets.scale_down_delay_s)
+    prior = dm.window(state.demand_history, now, window_s)
+    history = dm.append_history(state.demand_history, now, sample, window_s) if known else prior
+    unavailable = sum(
+        1
+        for r in observation.replicas
+        if r.state is ReplicaState.PENDING
+        and now - starting_since.get(r.name, now) > targets.pending_patience_s
+    )
+    trend = dm.demand_trend(history)
+    prior_level = dm.mean_level(prior) if prior else sample
+    coming = sum(
+        1 for r in observation.replicas if r.state in (ReplicaState.STARTING, ReplicaState.PENDING)
+    )
+    headroom = 0 if unavailable else observation.free_capacity
+    live = sum(1 for r in observation.replicas if r.state is not ReplicaState.DRAINING)
+    tick = _Tick(
+        now=now,
+        current=live,
+        coming=coming - unavailable,
+        unavailable=unavailable,
+        headroom=headroom,
+        known=known,
+        fresh=fresh,
+        sample=sample,
+        sample_size=_clamp_to(math.ceil(sample / targets.target_per_replica), targets),
+        level=dm.mean_level(history) if history else sample,
+        prior_level=prior_level,
+        burst=dm.waiting(observation) > 0 and dm.is_burst(sample, prior_level),
+        trend=trend,
+        fitted=dm.fitted_now(history, trend) if history else sample,
+        cold_start_s=cold,
+        waiting=dm.waiting(observation),
+        spill_budget=budget,
+        spill_bought=bought,
+    )
+    new_state = PolicyState(
+        first_seen=state.first_seen if state.first_seen is not None else now,
+        last_tick=now,
+        demand_history=history,
+        starting_since=starting_since,
+        cold_start_s=cold_start,
+        spill_spend=spend,
+    )
+    return tick, new_state
 
 
 def _scale_up_target(
-    observation: Observation,
-    targets: ScalingTargets,
-    current: int,
-    trend: float,
-    cold_start_s: float,
-) -> tuple[int, Reason]:
-    """The largest size any scale-up rule asks for, clamped, and the rule that asked."""
-    demand = observation.demand
-    size = math.ceil(demand / targets.target_per_replica)
-    reason = Reason.WAKE_FROM_ZERO if current == 0 and demand > 0 else Reason.DEMAND
+    observation: Observation, targets: ScalingTargets, tick: _Tick
+) -> tuple[int, Reason, int]:
+    """The size the scale-up rules ask for (capped by capacity), the rule, and the uncapped want.
 
-    starting = observation.count(ReplicaState.STARTING)
-    if starting == 0 and _waiting_would_miss_target(targets, trend, cold_start_s):
-        projected = demand + trend * cold_start_s
-        ahead = math.ceil(projected / targets.target_per_replica)
-        if ahead > max(size, current):
+    Sizes are absolute, so a burst jumps straight to what it needs. Rules that react to a
+    symptom (trend, latency) stay quiet while replicas are still coming.
+    """
+    tpr = targets.target_per_replica
+    size = math.ceil(tick.level / tpr)
+    reason = Reason.DEMAND
+    if tick.burst:
+        size = math.ceil(tick.sample / tpr)
+    if observation.spilled_per_s > 0 and tick.spill_bought and targets.prices_spill:
+        size, reason = max(size, math.ceil(tick.sample / tpr)), Reason.SPILL_COSTS_MORE
+    if tick.current == 0 and (tick.sample > 0 or observation.gateway_queued_batch > 0):
+        size, reason = max(size, 1), Reason.WAKE_FROM_ZERO
+    if tick.coming == 0 and _waiting_would_miss_target(targets, tick):
+        projected = tick.fitted + tick.trend * tick.cold_start_s
+        # Only growth that outruns the pool by more than noise buys ahead.
+        beyond_noise = projected > tick.current * tpr + dm.noise_margin(tick.level)
+        ahead = math.ceil(projected / tpr)
+        if beyond_noise and ahead > max(size, tick.current):
             size, reason = ahead, Reason.PREDICTED_GROWTH
+    if (
+        tick.coming == 0
+        and _more_replicas_help(observation, tick)
+        and _latency_over_target(observation, targets)
+    ):
+        needed = max(tick.current + 1, math.ceil(tick.sample / tpr))
+        if needed > size:
+            size, reason = needed, Reason.LATENCY_OVER_TARGET
+    if _renting(observation, targets, tick) and size > tick.current:
+        size, reason = tick.current, Reason.SPILLING
+    wanted = _clamp_to(size, targets)
+    if tick.headroom is not None and wanted > tick.current + tick.headroom:
+        capped = max(tick.current + tick.headroom, tick.current)
+        if capped <= tick.current:
+            return tick.current, Reason.NO_CAPACITY, wanted
+        return capped, reason, wanted
+    return wanted, reason, wanted
 
-    if starting == 0 and _latency_over_target(observation, targets) and current + 1 > size:
-        size, reason = current + 1, Reason.LATENCY_OVER_TARGET
 
-    return _clamp(size, targets), reason
+def _renting(observation: Observation, targets: ScalingTargets, tick: _Tick) -> bool:
+    """The hosted API is taking the overflow and has cost less than replicas would: while that
+    holds, a full pool is not a reason to buy (the spike may end before they are ready)."""
+    return (
+        targets.prices_spill
+        and observation.spilled_per_s > 0
+        and not tick.spill_bought
+        and tick.current > 0
+    )
 
 
-def _clamp(size: int, targets: ScalingTargets) -> int:
+def _first_seen(state: PolicyState, now: float) -> float:
+    return state.first_seen if state.first_seen is not None else now
+
+
+def _clamp_to(size: int, targets: ScalingTargets) -> int:
     return min(max(size, targets.min_replicas), targets.max_replicas)
 
 
-def _mean_demand(history: tuple[tuple[float, int], ...]) -> float:
-    return sum(d for _, d in history) / len(history)
-
-
-def _waiting_would_miss_target(targets: ScalingTargets, trend: float, cold_start_s: float) -> bool:
+def _waiting_would_miss_target(targets: ScalingTargets, tick: _Tick) -> bool:
     """Reacting only once the queue is there means its requests wait about one cold start.
 
     So when a cold start is longer than the queue-wait target and demand is rising by more
     than one replica's worth during one cold start, capacity has to be bought ahead.
     """
-    if trend <= 0:
+    if tick.trend <= 0:
         return False
-    if targets.queue_wait_target_s is not None and cold_start_s <= targets.queue_wait_target_s:
+    wait_target = targets.queue_wait_target_s
+    if wait_target is not None and tick.cold_start_s <= wait_target:
         return False
-    return trend * cold_start_s >= targets.target_per_replica
+    return tick.trend * tick.cold_start_s >= targets.target_per_replica
+
+
+def _more_replicas_help(observation: Observation, tick: _Tick) -> bool:
+    """Latency falls with more replicas only if requests wait for a slot or share one replica's
+    batch. One request at a time on each replica that is slow is slow because of the machine
+    (a busy CPU, a long prompt): another replica on the same machine makes it worse."""
+    ready = observation.count(ReplicaState.READY)
+    in_flight = sum(r.in_flight for r in observation.replicas if r.state is ReplicaState.READY)
+    return tick.waiting > 0 or in_flight > ready
 
 
 def _latency_over_target(observation: Observation, targets: ScalingTargets) -> bool:
-    """Measured latency is a window into the past: it only argues for capacity while there is
-    demand now, or a burst that has ended would keep the pool from ever shrinking."""
-    if observation.demand <= 0:
-        return False
+    """Measured latency is a window into the past: the caller also checks that more replicas
+    would help now, or a burst that has ended would keep the pool from ever shrinking."""
     wait, wait_target = observation.queue_wait_s, targets.queue_wait_target_s
     ttft, ttft_target = observation.ttft_s, targets.ttft_target_s
     return (wait is not None and wait_target is not None and wait > wait_target) or (
@@ -191,15 +333,43 @@ def _latency_over_target(observation: Observation, targets: ScalingTargets) -> b
     )
 
 
+def _spill_spend(
+    observation: Observation,
+    targets: ScalingTargets,
+    now: float,
+    state: PolicyState,
+    cold_start_s: float,
+) -> tuple[float, float]:
+    """Rent or buy: what the current spill-over has cost, and what buying its replicas would.
+
+    A replica bought now costs at least a cold start plus the scale-down delay, and arrives a
+    cold start late; so spill-over continues until it has cost that much (the classic
+    rent-or-buy rule, never worse than twice the best choice in hindsight). A spike shorter
+    than that is served by the hosted API alone.
+    """
+    if not targets.prices_spill or observation.spilled_per_s <= 0:
+        return 0.0, 0.0
+    assert targets.replica_cost_per_hour is not None
+    assert targets.spill_cost_per_million_tokens is not None
+    elapsed = now - state.last_tick if state.last_tick is not None else 0.0
+    spend = state.spill_spend + (
+        observation.spilled_tokens_per_s * elapsed * targets.spill_cost_per_million_tokens / 1e6
+    )
+    slots = observation.spilled_per_s * (observation.mean_service_s or 0.0)
+    replicas = max(1, math.ceil(slots / targets.target_per_replica))
+    commitment_h = (cold_start_s + targets.scale_down_delay_s) / 3600.0
+    return spend, replicas * targets.replica_cost_per_hour * commitment_h
+
+
 def _track_cold_starts(
     observation: Observation, now: float, state: PolicyState
 ) -> tuple[dict[str, float], float | None]:
-    """Note when replicas start, and time those that became ready since the last tick."""
+    """Note when replicas are asked for, and time those that became ready since the last tick."""
     cold_start = state.cold_start_s
     starting_since: dict[str, float] = {}
     for replica in observation.replicas:
         since = state.starting_since.get(replica.name)
-        if replica.state is ReplicaState.STARTING:
+        if replica.state in (ReplicaState.STARTING, ReplicaState.PENDING):
             starting_since[replica.name] = since if since is not None else now
         elif replica.state is ReplicaState.READY and since is not None:
             measured = now - since
@@ -209,30 +379,3 @@ def _track_cold_starts(
                 else COLD_START_SMOOTHING * measured + (1 - COLD_START_SMOOTHING) * cold_start
             )
     return starting_since, cold_start
-
-
-def _append_history(
-    history: tuple[tuple[float, int], ...], now: float, demand: int
-) -> tuple[tuple[float, int], ...]:
-    kept = tuple((t, d) for t, d in history if now - t <= TREND_WINDOW_S and t < now)
-    return (*kept, (now, demand))
-
-
-def _demand_trend(history: tuple[tuple[float, int], ...]) -> float:
-    """Least-squares slope of demand over the window, in requests per second.
-
-    Returns 0 unless the slope is clearly above the noise (two standard errors), so Poisson
-    jitter in a flat load does not buy replicas ahead of time.
-    """
-    n = len(history)
-    if n < MIN_TREND_SAMPLES:
-        return 0.0
-    mean_t = sum(t for t, _ in history) / n
-    mean_d = sum(d for _, d in history) / n
-    var_t = sum((t - mean_t) ** 2 for t, _ in history)
-    if var_t == 0:
-        return 0.0
-    slope = sum((t - mean_t) * (d - mean_d) for t, d in history) / var_t
-    residual = sum((d - mean_d - slope * (t - mean_t)) ** 2 for t, d in history)
-    stderr = math.sqrt(residual / (n - 2) / var_t)
-    return slope if slope > TREND_SIGNIFICANCE * stderr else 0.0

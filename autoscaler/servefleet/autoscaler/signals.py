@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 class ReplicaState(StrEnum):
     """Lifecycle of one engine replica as the autoscaler sees it."""
 
+    PENDING = "pending"
+    """Asked for but not placed yet (no free GPU or core): it may never come."""
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
@@ -48,6 +50,38 @@ class Observation(BaseModel):
     )
     ttft_s: float | None = Field(
         default=None, ge=0.0, description="recent time to first token (e.g. p90), if measured"
+    )
+    gateway_queued_batch: int = Field(
+        default=0,
+        ge=0,
+        description="of gateway_queued, batch-class requests: they may wait or spill, and buy "
+        "no replicas by themselves",
+    )
+    gateways: int = Field(
+        default=1, ge=0, description="gateway replicas whose counts were summed into this one"
+    )
+    unknown: tuple[str, ...] = Field(
+        default=(),
+        description="signals that could not be read this time (a gateway, a replica's "
+        "/metrics): their counts are not zeros, so the policy holds instead of shrinking",
+    )
+    observed_at: float | None = Field(
+        default=None, description="when these numbers were measured, on the policy's clock"
+    )
+    free_capacity: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas more the machine or cluster can place now (local mode: free "
+        "cores); None = no known limit",
+    )
+    spilled_per_s: float = Field(
+        default=0.0, ge=0.0, description="requests/s recently sent to the hosted API instead"
+    )
+    spilled_tokens_per_s: float = Field(
+        default=0.0, ge=0.0, description="prompt + completion tokens/s of those requests"
+    )
+    mean_service_s: float | None = Field(
+        default=None, gt=0.0, description="seconds a request holds a replica slot, if measured"
     )
 
     def count(self, state: ReplicaState) -> int:

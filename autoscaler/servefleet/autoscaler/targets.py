@@ -19,6 +19,30 @@ class ScalingTargets(BaseModel):
     default_cold_start_s: float = Field(
         default=60.0, gt=0, description="used until a cold start has been measured"
     )
+    pending_patience_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long a replica not yet placed counts as coming; after that it is "
+        "unavailable and no more are asked for",
+    )
+    signal_max_age_s: float = Field(
+        default=60.0, gt=0, description="older observations are unknown, not zero"
+    )
+    replica_cost_per_hour: float | None = Field(
+        default=None,
+        gt=0,
+        description="price of one replica-hour (with the spill price: rent or buy)",
+    )
+    spill_cost_per_million_tokens: float | None = Field(
+        default=None, gt=0, description="hosted-API price of spilled prompt + completion tokens"
+    )
+
+    @property
+    def prices_spill(self) -> bool:
+        """Both prices known: spill-over is weighed against buying replicas."""
+        return self.replica_cost_per_hour is not None and (
+            self.spill_cost_per_million_tokens is not None
+        )
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> ScalingTargets:

@@ -17,12 +17,16 @@ def drain_cost(replica: ReplicaLoad) -> tuple[int, float, str]:
 
 
 def pick_victim(replicas: Iterable[ReplicaLoad]) -> ReplicaLoad | None:
-    """Cheapest replica to drain; a still-starting one beats any ready one (it serves nobody)."""
+    """Cheapest replica to drain: one never placed first, then a still-starting one (neither
+    serves anybody), then the ready one with the least to lose."""
     live = [r for r in replicas if r.state is not ReplicaState.DRAINING]
     if not live:
         return None
-    starting = [r for r in live if r.state is ReplicaState.STARTING]
-    return min(starting or live, key=drain_cost)
+    for state in (ReplicaState.PENDING, ReplicaState.STARTING):
+        unready = [r for r in live if r.state is state]
+        if unready:
+            return min(unready, key=drain_cost)
+    return min(live, key=drain_cost)
 
 
 def pod_deletion_costs(replicas: Iterable[ReplicaLoad]) -> dict[str, int]:

@@ -7,25 +7,18 @@ HTTP path, and so a crash or a hang in the engine cannot take the benchmark down
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
+from .processes import free_port, servefleet_command
+
 
 class EngineStartError(RuntimeError):
     """The engine exited or did not become ready in time."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def thread_env(threads: int | None) -> dict[str, str] | None:
@@ -33,15 +26,6 @@ def thread_env(threads: int | None) -> dict[str, str] | None:
     if threads is None:
         return None
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
-
-
-def servefleet_command() -> list[str]:
-    """The `servefleet` script of this environment, else `uv run servefleet`."""
-    beside = Path(sys.executable).parent / "servefleet"
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which("servefleet")
-    return [found] if found else ["uv", "run", "servefleet"]
 
 
 class EngineProcess:

@@ -1,4 +1,5 @@
-"""The three policies the simulator compares: ours (the real code), a fixed pool, HPA-style."""
+"""The policies the simulator compares: ours (the real code), a fixed pool, and the three
+autoscalers people deploy for LLMs today, each modelled on its documented algorithm."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from servefleet.autoscaler.policy import PolicyState, decide
 from servefleet.autoscaler.signals import Observation, ReplicaLoad, ReplicaState
 from servefleet.autoscaler.targets import ScalingTargets
 
-from .sim_cluster import ClusterView, ScaleAction
+from .sim_cluster import ClusterView, ScaleAction, SimReplica
 
 LATENCY_QUANTILE = 0.9
+HPA_SCALE_UP_PERIOD_S = 15.0
 
 
 def observation_from_view(view: ClusterView) -> Observation:
@@ -21,6 +23,7 @@ def observation_from_view(view: ClusterView) -> Observation:
     wait = waits[int(LATENCY_QUANTILE * (len(waits) - 1))] if waits else None
     return Observation(
         gateway_queued=view.queued,
+        gateway_queued_batch=view.queued_batch,
         replicas=tuple(
             ReplicaLoad(
                 name=r.name,
@@ -31,6 +34,9 @@ def observation_from_view(view: ClusterView) -> Observation:
             for r in view.replicas
         ),
         queue_wait_s=wait,
+        spilled_per_s=view.spilled_per_s,
+        spilled_tokens_per_s=view.spilled_tokens_per_s,
+        mean_service_s=view.mean_service_s,
     )
 
 
@@ -57,14 +63,48 @@ class FixedPolicy:
         return ScaleAction(desired=self.replicas, reason="fixed")
 
 
+def _live(view: ClusterView) -> tuple[list[SimReplica], list[SimReplica]]:
+    ready = [r for r in view.replicas if r.state is ReplicaState.READY]
+    starting = [r for r in view.replicas if r.state is ReplicaState.STARTING]
+    return ready, starting
+
+
+@dataclass
+class HpaBehaviour:
+    """kube-controller-manager's damping around any metric's raw recommendation: scale-down
+    takes the highest recommendation over the stabilisation window; scale-up is limited to
+    max(+100%, +4 pods) per 15 s."""
+
+    min_replicas: int
+    max_replicas: int
+    stabilisation_s: float
+    _recommendations: deque[tuple[float, int]] = field(default_factory=deque)
+    _scaled_up: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def damp(self, now: float, raw: int, current: int) -> int:
+        self._recommendations.append((now, raw))
+        while self._recommendations and self._recommendations[0][0] < now - self.stabilisation_s:
+            self._recommendations.popleft()
+        desired = raw
+        if raw < current:
+            desired = min(current, max(r for _, r in self._recommendations))
+        if desired > current:
+            while self._scaled_up and self._scaled_up[0][0] < now - HPA_SCALE_UP_PERIOD_S:
+                self._scaled_up.popleft()
+            base = current - sum(n for _, n in self._scaled_up)
+            desired = min(desired, max(2 * base, base + 4))
+            if desired > current:
+                self._scaled_up.append((now, desired - current))
+        return min(max(desired, self.min_replicas), self.max_replicas)
+
+
 @dataclass
 class HpaPolicy:
-    """The Kubernetes HPA algorithm on a utilisation metric (busy slots / slots).
+    """The Kubernetes HPA on a utilisation metric (busy slots / slots).
 
-    Follows kube-controller-manager: 10% tolerance; on scale-up, not-yet-ready pods count as
-    0% busy; scale-down takes the highest recommendation over the stabilisation window;
-    scale-up is limited to max(+100%, +4 pods) per 15 s. It sees no queue: utilisation
-    saturates at 100% however long the queue grows, which is the point of the comparison.
+    10% tolerance; on scale-up, not-yet-ready pods count as 0% busy. It sees no queue:
+    utilisation saturates at 100% however long the queue grows, which is the point of the
+    comparison.
     """
 
     target_utilisation: float
@@ -73,34 +113,20 @@ class HpaPolicy:
     stabilisation_s: float
     tolerance: float = 0.1
     name: str = "hpa"
-    _recommendations: deque[tuple[float, int]] = field(default_factory=deque)
-    _scaled_up: deque[tuple[float, int]] = field(default_factory=deque)
+    behaviour: HpaBehaviour | None = None
 
     def tick(self, view: ClusterView) -> ScaleAction:
-        ready = [r for r in view.replicas if r.state is ReplicaState.READY]
-        starting = [r for r in view.replicas if r.state is ReplicaState.STARTING]
+        if self.behaviour is None:
+            self.behaviour = HpaBehaviour(
+                self.min_replicas, self.max_replicas, self.stabilisation_s
+            )
+        ready, starting = _live(view)
         current = len(ready) + len(starting)
         raw = self._raw_recommendation(view, ready, starting, current)
-        self._recommendations.append((view.now, raw))
-        while (
-            self._recommendations and self._recommendations[0][0] < view.now - self.stabilisation_s
-        ):
-            self._recommendations.popleft()
-        desired = raw
-        if raw < current:
-            desired = min(current, max(r for _, r in self._recommendations))
-        if desired > current:
-            while self._scaled_up and self._scaled_up[0][0] < view.now - 15.0:
-                self._scaled_up.popleft()
-            base = current - sum(n for _, n in self._scaled_up)
-            desired = min(desired, max(2 * base, base + 4))
-            if desired > current:
-                self._scaled_up.append((view.now, desired - current))
-        desired = min(max(desired, self.min_replicas), self.max_replicas)
-        return ScaleAction(desired=desired, reason="hpa")
+        return ScaleAction(desired=self.behaviour.damp(view.now, raw, current), reason="hpa")
 
     def _raw_recommendation(
-        self, view: ClusterView, ready: list, starting: list, current: int
+        self, view: ClusterView, ready: list[SimReplica], starting: list[SimReplica], current: int
     ) -> int:
         if not ready:
             return current
@@ -114,3 +140,64 @@ class HpaPolicy:
                 return current
             return math.ceil(ratio * (len(ready) + len(starting)))
         return math.ceil(ratio * len(ready))
+
+
+@dataclass
+class KedaPolicy:
+    """KEDA's queue-length scaler: an external metric (queued + in flight) with an
+    `AverageValue` target per replica, fed to the same HPA damping; activation wakes 0 → 1."""
+
+    target_per_replica: float
+    min_replicas: int
+    max_replicas: int
+    stabilisation_s: float
+    tolerance: float = 0.1
+    name: str = "keda"
+    behaviour: HpaBehaviour | None = None
+
+    def tick(self, view: ClusterView) -> ScaleAction:
+        if self.behaviour is None:
+            self.behaviour = HpaBehaviour(
+                self.min_replicas, self.max_replicas, self.stabilisation_s
+            )
+        ready, starting = _live(view)
+        current = len(ready) + len(starting)
+        metric = view.queued + sum(r.in_flight for r in view.replicas)
+        if current == 0:
+            return ScaleAction(desired=max(self.min_replicas, 1 if metric else 0), reason="keda")
+        ratio = metric / (current * self.target_per_replica)
+        raw = current if abs(ratio - 1) <= self.tolerance else math.ceil(ratio * current)
+        return ScaleAction(desired=self.behaviour.damp(view.now, raw, current), reason="keda")
+
+
+@dataclass
+class KubeAiPolicy:
+    """KubeAI's autoscaler: the moving average of active requests (queued + in flight) over
+    a time window, divided by the target per replica; scale-down waits `scale_down_delay_s`."""
+
+    target_per_replica: float
+    min_replicas: int
+    max_replicas: int
+    window_s: float
+    scale_down_delay_s: float
+    name: str = "kubeai"
+    _samples: deque[tuple[float, int]] = field(default_factory=deque)
+    _low_since: float | None = None
+
+    def tick(self, view: ClusterView) -> ScaleAction:
+        active = view.queued + sum(r.in_flight for r in view.replicas)
+        self._samples.append((view.now, active))
+        while self._samples[0][0] < view.now - self.window_s:
+            self._samples.popleft()
+        average = sum(a for _, a in self._samples) / len(self._samples)
+        ready, starting = _live(view)
+        current = len(ready) + len(starting)
+        desired = math.ceil(average / self.target_per_replica)
+        desired = min(max(desired, self.min_replicas), self.max_replicas)
+        if desired < current:
+            self._low_since = self._low_since if self._low_since is not None else view.now
+            if view.now - self._low_since < self.scale_down_delay_s:
+                desired = current
+        else:
+            self._low_since = None
+        return ScaleAction(desired=desired, reason="kubeai")

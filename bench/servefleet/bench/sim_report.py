@@ -1,63 +1,100 @@
-"""Tables, JSON and the timeline plot of an autoscaler simulation run."""
+"""Tables and plots of autoscaler simulations: the frontier per trace, and one timeline."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from .sim_cluster import SimResult
-from .sim_trace import Trace, rate_at
+from .sim_frontier import POLICIES, Point, frontier
+from .sim_trace import Trace
+
+COLOURS = {
+    "servefleet": "tab:blue",
+    "hpa": "tab:orange",
+    "keda": "tab:green",
+    "kubeai": "tab:purple",
+    "fixed": "tab:gray",
+}
 
 
-def summary(results: list[SimResult], slo_target_s: float) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for r in results:
-        waits = r.waits_s
-        out[r.policy] = {
-            "slo_attainment": round(r.slo_attainment(slo_target_s), 4),
-            "replica_hours": round(r.replica_hours, 2),
-            "p50_wait_s": round(float(_quantile(waits, 0.5)), 3),
-            "p99_wait_s": round(float(_quantile(waits, 0.99)), 3),
-            "max_replicas": max(r.timeline_replicas, default=0),
-            "requests": int(waits.size),
-        }
-    return out
-
-
-def table(rows: dict[str, dict[str, float]]) -> str:
-    head = f"{'policy':<12} {'SLO attain':>10} {'replica-h':>10} {'p50 wait':>9} {'p99 wait':>9}"
+def frontier_table(points: Sequence[Point]) -> str:
+    head = f"{'trace':<16} {'policy':<11} {'settings':<32} {'SLO':>8} {'cost':>8} {'rep-h':>8}"
     lines = [head, "-" * len(head)]
-    for name, row in rows.items():
+    for p in sorted(points, key=lambda p: (p.trace, POLICIES.index(p.policy), p.cost)):
+        settings = ",".join(f"{k}={v:g}" for k, v in p.settings.items())
         lines.append(
-            f"{name:<12} {row['slo_attainment']:>10.2%} {row['replica_hours']:>10.2f} "
-            f"{row['p50_wait_s']:>8.2f}s {row['p99_wait_s']:>8.2f}s"
+            f"{p.trace:<16} {p.policy:<11} {settings:<32} {p.slo_attainment:>8.2%} "
+            f"{p.cost:>8.2f} {p.replica_hours:>8.2f}"
         )
     return "\n".join(lines)
 
 
+def plot_frontiers(points_by_trace: dict[str, list[Point]], path: Path) -> None:
+    """One panel per trace: every run as a dot, each policy's frontier as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(points_by_trace))
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 5), squeeze=False)
+    for ax, (trace, points) in zip(axes[0], points_by_trace.items(), strict=False):
+        for policy in POLICIES:
+            mine = [p for p in points if p.policy == policy]
+            if not mine:
+                continue
+            colour = COLOURS[policy]
+            ax.scatter(
+                [p.cost for p in mine],
+                [100 * p.slo_attainment for p in mine],
+                s=14,
+                color=colour,
+                alpha=0.5,
+            )
+            best = frontier(mine)
+            ax.step(
+                [p.cost for p in best],
+                [100 * p.slo_attainment for p in best],
+                where="post",
+                color=colour,
+                label=policy,
+                lw=1.4,
+            )
+        ax.axhline(99, color="black", lw=0.6, ls=":")
+        ax.set_title(trace)
+        ax.set_xlabel("cost (replica-hours, spill-over priced in)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(bottom=max(0.0, ax.get_ylim()[0]))
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_timeline(trace: Trace, results: list[SimResult], path: Path) -> None:
+    """Offered rate (per minute) above, each policy's replicas below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (load_ax, rep_ax) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    if results:
-        ts = results[0].timeline_s
-        hours = [t / 3600 for t in ts]
-        rates = [rate_at(trace.spec, trace.spikes, t) for t in ts]
-        load_ax.plot(hours, rates, color="black", lw=0.8, label="offered rate (req/s)")
-        load_ax.set_ylabel("requests/s")
-        load_ax.legend(loc="upper left")
-        for r in results:
-            rep_ax.step(
-                [t / 3600 for t in r.timeline_s],
-                r.timeline_replicas,
-                where="post",
-                label=r.policy,
-                lw=0.9,
-            )
+    minutes = np.arange(0.0, trace.duration_s + 60.0, 60.0)
+    counts, _ = np.histogram(trace.arrivals_s, bins=minutes)
+    load_ax.plot(minutes[:-1] / 3600, counts / 60.0, color="black", lw=0.8, label="req/s")
+    load_ax.set_ylabel("requests/s")
+    load_ax.legend(loc="upper left")
+    for r in results:
+        rep_ax.step(
+            [t / 3600 for t in r.timeline_s],
+            r.timeline_replicas,
+            where="post",
+            label=r.policy,
+            lw=0.9,
+        )
     rep_ax.set_ylabel("replicas (incl. starting/draining)")
     rep_ax.set_xlabel("simulated hours")
     rep_ax.legend(loc="upper left")
@@ -66,5 +103,37 @@ def plot_timeline(trace: Trace, results: list[SimResult], path: Path) -> None:
     plt.close(fig)
 
 
-def _quantile(values: np.ndarray, q: float) -> float:
-    return float(np.quantile(values, q)) if len(values) else 0.0
+def write_report(
+    points_by_trace: dict[str, list[Point]],
+    traces: dict[str, dict[str, object]],
+    params: dict[str, object],
+    out: Path,
+    stem: str = "autoscaler_sim",
+) -> dict[str, object]:
+    """`<out>/<stem>.json` (every point, frontier and verdict per trace) and `<stem>.png`."""
+    from .sim_frontier import verdict
+
+    report: dict[str, object] = {
+        "benchmark": stem,
+        "params": params,
+        "traces": {
+            name: {
+                **traces[name],
+                "verdict": verdict(points),
+                "frontier": {
+                    policy: [
+                        p.model_dump() for p in frontier([q for q in points if q.policy == policy])
+                    ]
+                    for policy in POLICIES
+                },
+                "points": [p.model_dump() for p in points],
+            }
+            for name, points in points_by_trace.items()
+        },
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    import json
+
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    plot_frontiers(points_by_trace, out / f"{stem}.png")
+    return report

@@ -1,4 +1,9 @@
-"""Synthetic, seeded request traces for the autoscaler simulator: a diurnal curve with spikes."""
+"""Request traces for the autoscaler simulator, and the seeded diurnal one with spikes.
+
+A `Trace` is what any source reduces to: arrival times, the seconds each request holds a slot,
+its tokens (what spill-over is billed by) and its traffic class. `sim_bursty` and
+`sim_access_log` build the other two kinds.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,10 @@ import math
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+TOKENS_PER_SECOND_OF_SERVICE = 33.0
+"""Output tokens one request gets per second of slot time (about 30 ms per token)."""
+PROMPT_TOKENS_MEAN = 400.0
 
 
 class TraceSpec(BaseModel):
@@ -22,6 +31,7 @@ class TraceSpec(BaseModel):
     spike_ramp_s: float = Field(default=30.0, ge=0, description="rise time of each burst")
     mean_service_s: float = Field(default=6.0, gt=0, description="time one request holds a slot")
     service_sigma: float = Field(default=0.5, ge=0, description="lognormal spread of service")
+    batch_share: float = Field(default=0.0, ge=0, le=1, description="share of batch requests")
     seed: int = 7
 
 
@@ -34,14 +44,27 @@ class Spike(BaseModel):
 
 
 class Trace(BaseModel):
-    """Arrival times and service times, sorted by arrival."""
+    """Requests sorted by arrival: when, how long they hold a slot, tokens, batch or not."""
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
-    spec: TraceSpec
-    spikes: tuple[Spike, ...]
+    name: str
+    duration_s: float
     arrivals_s: np.ndarray
     service_s: np.ndarray
+    tokens: np.ndarray
+    batch: np.ndarray
+    spec: TraceSpec | None = None
+    spikes: tuple[Spike, ...] = ()
+
+    @property
+    def mean_service_s(self) -> float:
+        return float(self.service_s.mean()) if self.service_s.size else 1.0
+
+    def arrival_cv(self) -> float:
+        """Coefficient of variation of inter-arrival times (1 for Poisson)."""
+        gaps = np.diff(self.arrivals_s)
+        return float(gaps.std() / gaps.mean()) if gaps.size > 1 and gaps.mean() > 0 else 0.0
 
 
 def diurnal_rate(spec: TraceSpec, t: float) -> float:
@@ -59,6 +82,12 @@ def rate_at(spec: TraceSpec, spikes: tuple[Spike, ...], t: float) -> float:
             rise = min(1.0, into / spec.spike_ramp_s) if spec.spike_ramp_s > 0 else 1.0
             rate *= 1 + (spike.multiplier - 1) * rise
     return rate
+
+
+def tokens_for(service_s: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Prompt + completion tokens of requests holding a slot this long (spill is billed so)."""
+    prompt = rng.exponential(PROMPT_TOKENS_MEAN, size=service_s.size)
+    return np.round(prompt + service_s * TOKENS_PER_SECOND_OF_SERVICE).astype(np.int64)
 
 
 def make_trace(spec: TraceSpec) -> Trace:
@@ -79,4 +108,13 @@ def make_trace(spec: TraceSpec) -> Trace:
     arrivals = np.sort(starts + rng.uniform(0.0, 1.0, size=starts.size))
     mu = math.log(spec.mean_service_s) - spec.service_sigma**2 / 2
     service = rng.lognormal(mu, spec.service_sigma, size=arrivals.size)
-    return Trace(spec=spec, spikes=spikes, arrivals_s=arrivals, service_s=service)
+    return Trace(
+        name="diurnal",
+        duration_s=spec.duration_s,
+        arrivals_s=arrivals,
+        service_s=service,
+        tokens=tokens_for(service, rng),
+        batch=rng.uniform(size=arrivals.size) < spec.batch_share,
+        spec=spec,
+        spikes=spikes,
+    )

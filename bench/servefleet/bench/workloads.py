@@ -181,7 +181,7 @@ def _text_prompts(
 
 
 def load_token_counter(tokenizer_model: str) -> TokenCounter:
-    """A token counter backed by our engine's tokenizer, imported lazily: it is optional.
+    """A token counter backed by the model's own tokenizer, imported lazily: it is optional.
 
     `tokenizer_model` is a built-in model name, a GGUF file, or a folder with
     `tokenizer.json`. Special tokens are not counted: the server adds them (or the chat
@@ -190,18 +190,18 @@ def load_token_counter(tokenizer_model: str) -> TokenCounter:
     from pathlib import Path
 
     try:
-        from servefleet.engine.model.builtin import is_builtin, resolve_builtin
-        from servefleet.engine.model.gguf_loader import open_gguf
-        from servefleet.engine.tokenizer import Tokenizer
+        from servefleet.text.builtin import is_builtin, resolve_builtin
+        from servefleet.text.gguf_metadata import read_gguf_fields
+        from servefleet.text.tokenizer import Tokenizer
     except ImportError as exc:
-        raise RuntimeError(f"--tokenizer-model needs servefleet.engine: {exc}") from exc
+        raise RuntimeError(f"--tokenizer-model needs servefleet.text: {exc}") from exc
     path = (
         resolve_builtin(tokenizer_model) if is_builtin(tokenizer_model) else Path(tokenizer_model)
     )
     if path.is_dir():
         tokenizer = Tokenizer.from_hf_folder(path)
     elif path.is_file():
-        tokenizer = Tokenizer.from_gguf_fields(open_gguf(path).fields)
+        tokenizer = Tokenizer.from_gguf_fields(read_gguf_fields(path))
     else:
         raise RuntimeError(f"--tokenizer-model {tokenizer_model!r}: no such model, file or folder")
 

@@ -10,6 +10,10 @@
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "servefleet.engineImage" -}}
+{{- printf "%s:%s" .Values.engineImage.repository (default .Chart.AppVersion .Values.engineImage.tag) -}}
+{{- end -}}
+
 {{- define "servefleet.labels" -}}
 app.kubernetes.io/part-of: servefleet
 app.kubernetes.io/instance: {{ .Release.Name }}

@@ -1,19 +1,32 @@
-"""`servefleet autoscaler`: queue-depth autoscaling of every LLMDeployment in a namespace."""
+"""`servefleet autoscaler`: queue-depth autoscaling of every LLMDeployment it watches."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import os
 
 from servefleet.cli.logs import setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
-    a("--gateway-url", default="http://servefleet-gateway:8080", help="gateway base URL")
+    a(
+        "--namespace",
+        action="append",
+        default=[],
+        help="a namespace whose LLMDeployments it scales (repeatable; default: every namespace, "
+        "like the operator)",
+    )
+    a("--kubeconfig", default=None, help="default: $KUBECONFIG, in-cluster, ~/.kube/config")
+    a("--context", default=None, help="kubeconfig context (default: the current one)")
+    a(
+        "--gateway-service",
+        default=None,
+        help="the gateway Service as NAMESPACE/NAME: every ready replica behind it is read and "
+        "their queues summed (default: only --gateway-url)",
+    )
+    a("--gateway-url", default="http://servefleet-gateway:8080", help="one gateway's base URL")
     a("--gateway-key-file", default=None, help="bearer key for the gateway's internal API")
     a("--interval", type=float, default=5.0, help="seconds between decisions")
     a("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0: off)")
@@ -30,15 +43,16 @@ async def _run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from servefleet.autoscaler.cluster import ClusterAutoscaler
-    from servefleet.autoscaler.kube import KubeClient
-    from servefleet.autoscaler.observe import HttpGatewaySource
+    from servefleet.autoscaler.gateway_fleet import GatewayFleetSource
+    from servefleet.autoscaler.observe import GatewaySource, HttpGatewaySource
     from servefleet.autoscaler.telemetry import AutoscalerMetrics
+    from servefleet.kube import KubeAccess, KubeError
 
     log = logging.getLogger("servefleet.autoscaler")
     try:
-        kube = KubeClient.in_cluster()
-    except (KeyError, OSError) as exc:
-        log.error("not running in a cluster (no service account): %s", exc)
+        kube = await KubeAccess(kubeconfig=args.kubeconfig, context=args.context).connect()
+    except KubeError as exc:
+        log.error("cannot reach the Kubernetes API: %s", exc)
         return 2
     key = None
     if args.gateway_key_file:
@@ -47,7 +61,14 @@ async def _run(args: argparse.Namespace) -> int:
     metrics = AutoscalerMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)
-    async with httpx.AsyncClient(timeout=3.0) as http:
-        gateway = HttpGatewaySource(args.gateway_url, http, key)
+    async with kube, httpx.AsyncClient(timeout=3.0) as http:
+        gateway: GatewaySource
+        if args.gateway_service:
+            namespace, _, service = args.gateway_service.rpartition("/")
+            gateway = GatewayFleetSource(
+                kube, namespace or kube.namespace, service, http, api_key=key
+            )
+        else:
+            gateway = HttpGatewaySource(args.gateway_url, http, key)
         await ClusterAutoscaler(kube, args.namespace, gateway, metrics, http).run(args.interval)
     return 0

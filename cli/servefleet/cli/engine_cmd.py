@@ -80,6 +80,6 @@ def run(args: argparse.Namespace) -> int:
         log.error("invalid engine settings: %s", exc)
         return 2
     log.info("cpu_isa=%r", ensure_safe_cpu_isa())
-    from servefleet.engine.app import serve
+    from servefleet.engine.process import serve
 
     return serve(config)

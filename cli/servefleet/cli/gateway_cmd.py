@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -32,8 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kubeconfig",
         default=None,
-        help="kubeconfig for the API server (default: the pod's ServiceAccount)",
+        help="kubeconfig for the API server (default: $KUBECONFIG, the pod's ServiceAccount, "
+        "~/.kube/config)",
     )
+    parser.add_argument("--context", default=None, help="kubeconfig context (default: current)")
     parser.add_argument(
         "--secret-refresh-seconds",
         type=float,
@@ -55,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     from servefleet.api.gateway_config import GatewayConfig
     from servefleet.gateway.app import Gateway
-    from servefleet.gateway.discovery import KubernetesApi
     from servefleet.gateway.kube_routes import KubeRoutedGateway, KubeRoutes
+    from servefleet.kube import KubeAccess, KubeError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
@@ -68,19 +71,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"servefleet gateway: invalid config {args.config}:\n{exc}", file=sys.stderr)
         return 2
     assert isinstance(config, GatewayConfig)
-    kubernetes = None
+    # Credentials are loaded when the event loop starts (the client belongs to that loop).
+    kubernetes = KubeAccess(kubeconfig=args.kubeconfig, context=args.context)
+    if args.kube_routes:
+        try:  # fail now, not as a gateway that never becomes ready
+            asyncio.run(kubernetes.configuration())
+        except KubeError as exc:
+            print(f"servefleet gateway: {exc}", file=sys.stderr)
+            return 2
     try:
-        if args.kubeconfig:
-            kubernetes = KubernetesApi.from_kubeconfig(args.kubeconfig)
-        elif args.kube_routes:
-            kubernetes = KubernetesApi.in_cluster()
         gateway = Gateway(config, kubernetes=kubernetes)
-    except (OSError, RuntimeError, ValueError) as exc:  # a missing key file, no cluster
+    except (OSError, RuntimeError, ValueError) as exc:  # a missing key file
         print(f"servefleet gateway: {exc}", file=sys.stderr)
         return 2
     app: object = gateway
     if args.kube_routes:
-        assert kubernetes is not None
         routes = KubeRoutes(
             gateway,
             config,

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("servefleet.cli.operator_cmd", "run the Kubernetes operator"),
     "crd": ("servefleet.cli.crd_cmd", "generate or check the CRD from the pydantic spec"),
     "up": ("servefleet.cli.up_cmd", "run LLMDeployments on this machine (local mode)"),
+    "sim": ("servefleet.cli.sim_cmd", "replay an access log through every scaling policy"),
 }
 
 

@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, in-cluster, ~/.kube/config)"
     )
+    parser.add_argument("--context", help="kubeconfig context (default: the current one)")
     parser.add_argument(
         "--namespace",
         action="append",
@@ -58,13 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
+    from servefleet.kube import KubeAccess, KubeError
     from servefleet.operator.handlers import OperatorSettings, build_registry
-    from servefleet.operator.kube import load_credentials
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call is noise
     settings = OperatorSettings(
         namespaces=args.namespace,
         engine_image=args.engine_image,
@@ -72,7 +72,13 @@ def run(args: argparse.Namespace) -> int:
         image_pull_policy=args.image_pull_policy,
         resync_seconds=args.resync_seconds,
     )
-    registry = build_registry(settings, load_credentials(args.kubeconfig))
+    access = KubeAccess(kubeconfig=args.kubeconfig, context=args.context)
+    try:  # fail now with a clear line, not inside kopf's login retries
+        asyncio.run(access.configuration())
+    except KubeError as exc:
+        logging.getLogger("servefleet.operator").error("%s", exc)
+        return 2
+    registry = build_registry(settings, access)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     asyncio.run(
         kopf.operator(

@@ -2,32 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_memory(value: str | float | int) -> float:
-    """Bytes (`2GiB`, `500MB`, `1073741824`) or a fraction of free memory (`0 < x <= 1`)."""
-    if isinstance(value, int | float):
-        number = float(value)
-    else:
-        match = _SIZE.match(value)
-        if not match:
-            raise ValueError(f"cannot read {value!r} as bytes (e.g. 2GiB, 512MB) or a fraction")
-        number = float(match.group(1))
-        unit = (match.group(2) or "").lower()
-        if unit:
-            base = unit[0] if unit[0] != "b" else ""
-            factor = 1024 ** "kmgt".index(base) * 1024 if "i" in unit else _UNITS[base]
-            return number * factor
-    if number <= 0:
-        raise ValueError("KV-cache memory must be positive")
-    return number
+from servefleet.api.quantity import parse_memory_size
 
 
 class EngineConfig(BaseModel):
@@ -68,7 +47,7 @@ class EngineConfig(BaseModel):
     @field_validator("kv_cache_memory")
     @classmethod
     def _memory(cls, value: str) -> str:
-        parse_memory(value)
+        parse_memory_size(value)  # the grammar engine.kvCacheMemory uses too
         return value
 
     @property

@@ -22,7 +22,7 @@ from servefleet.engine.sampler import TokenLogprobs
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler
 from servefleet.engine.sequence import FinishReason, Sequence
-from servefleet.engine.tokenizer import Tokenizer
+from servefleet.text.tokenizer import Tokenizer
 
 log = logging.getLogger("servefleet.engine")
 

@@ -7,7 +7,8 @@ so a streamed answer never shows a stop string it later retracts.
 from __future__ import annotations
 
 from servefleet.engine.sequence import Sequence
-from servefleet.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from servefleet.text.detokenizer import IncrementalDetokenizer
+from servefleet.text.tokenizer import Tokenizer
 
 
 class OutputProcessor:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.sequence import Priority
+from servefleet.text.messages import MessageContent
 
 
 class OpenAIError(Exception):
@@ -108,17 +109,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+    content: MessageContent = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from servefleet.engine.chat_template import ChatTemplate
 from servefleet.engine.loop import Engine, EngineDeadError, EngineRequest, SequenceOutput
 from servefleet.engine.protocol import (
     ChatCompletionRequest,
@@ -34,7 +33,9 @@ from servefleet.engine.protocol import (
     usage,
 )
 from servefleet.engine.sampler import TokenLogprobs
-from servefleet.engine.tokenizer import Tokenizer
+from servefleet.text.chat_template import ChatTemplate
+from servefleet.text.messages import template_messages
+from servefleet.text.tokenizer import Tokenizer
 
 log = logging.getLogger("servefleet.engine.server")
 BodyT = TypeVar("BodyT", ChatCompletionRequest, CompletionRequest)
@@ -137,10 +138,7 @@ def build_app(state: ServingState) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         _admit(state, body)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="messages") from exc
+        messages = template_messages([m.model_dump() for m in body.messages])
         try:
             prompt = state.chat_template.render(messages, add_generation_prompt=True)
         except Exception as exc:  # a template's raise_exception or a jinja error

@@ -44,7 +44,7 @@ class SpillRule:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class AdmissionOutcome:
     action: Action
     predicted_wait_s: float
     reason: str
@@ -63,20 +63,20 @@ def predict_wait(view: PoolView) -> float:
     return until_ready + view.queue_ahead / rate
 
 
-def decide(view: PoolView, max_queue_wait_s: float, spill: SpillRule) -> Decision:
+def decide(view: PoolView, max_queue_wait_s: float, spill: SpillRule) -> AdmissionOutcome:
     wait = predict_wait(view)
     if wait == 0.0:
-        return Decision(Action.SERVE, 0.0, "slot free")
+        return AdmissionOutcome(Action.SERVE, 0.0, "slot free")
     no_replica = view.ready_replicas == 0
     if spill.allowed:
         if spill.on_no_ready_replica and no_replica:
-            return Decision(Action.SPILL, wait, "no ready replica")
+            return AdmissionOutcome(Action.SPILL, wait, "no ready replica")
         if spill.on_queue_full and view.queue_full:
-            return Decision(Action.SPILL, wait, "queue full")
+            return AdmissionOutcome(Action.SPILL, wait, "queue full")
         if spill.wait_over_s is not None and wait > spill.wait_over_s:
-            return Decision(Action.SPILL, wait, "predicted wait over spill threshold")
+            return AdmissionOutcome(Action.SPILL, wait, "predicted wait over spill threshold")
     if view.queue_full:
-        return Decision(Action.SHED, wait, "queue full")
+        return AdmissionOutcome(Action.SHED, wait, "queue full")
     if wait > max_queue_wait_s:
-        return Decision(Action.SHED, wait, "predicted wait over maxQueueWait")
-    return Decision(Action.QUEUE, wait, "waiting for a slot")
+        return AdmissionOutcome(Action.SHED, wait, "predicted wait over maxQueueWait")
+    return AdmissionOutcome(Action.QUEUE, wait, "waiting for a slot")

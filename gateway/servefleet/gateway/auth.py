@@ -6,6 +6,8 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 
+from servefleet.gateway.errors import GatewayError
+
 
 class KeyRing:
     def __init__(self, digests: Mapping[str, str]) -> None:
@@ -25,6 +27,18 @@ class KeyRing:
         digest = hashlib.sha256(key.strip().encode()).digest()
         # A dict lookup on a digest leaks nothing useful about the key itself.
         return self._by_digest.get(digest)
+
+    def require_tenant(self, authorization: str | None) -> str:
+        """The tenant, or the 401 OpenAI answers to a bad key."""
+        tenant = self.tenant_for(authorization)
+        if tenant is None:
+            raise GatewayError(
+                401,
+                "Incorrect API key provided.",
+                code="invalid_api_key",
+                type="invalid_request_error",
+            )
+        return tenant
 
 
 def bearer_matches(authorization: str | None, expected: str) -> bool:

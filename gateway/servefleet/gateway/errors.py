@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from pydantic import ValidationError
+
 
 class GatewayError(Exception):
     """An error that ends a request with an OpenAI-style body and the given status."""
@@ -50,3 +52,13 @@ def model_not_found(model: str) -> GatewayError:
         code="model_not_found",
         param="model",
     )
+
+
+def validation_error(exc: ValidationError) -> GatewayError:
+    """A 400 naming the first invalid field, the way OpenAI's API answers."""
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5]
+    )
+    return GatewayError(400, f"Invalid request: {message}", param=param)

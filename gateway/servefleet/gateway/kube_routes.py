@@ -21,15 +21,12 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import httpx
 from pydantic import SecretStr
 
+from servefleet.api.conventions import ROUTE_LABEL_SELECTOR, SECRETS_MOUNT
 from servefleet.api.gateway_config import GatewayConfig, hash_api_key
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.discovery import KubernetesApi, LabelWatcher, ObjectKey, collection_path
 from servefleet.gateway.route_merge import (
-    ROUTE_LABEL_SELECTOR,
-    SECRETS_MOUNT,
     ResolvedSecrets,
     Route,
     RouteError,
@@ -39,6 +36,8 @@ from servefleet.gateway.route_merge import (
     referenced_secrets,
     resolve_route,
 )
+from servefleet.kube import KubeAccess, KubeClient, KubeError, LabelWatcher, ObjectKey
+from servefleet.kube.resources import CONFIG_MAPS, SECRETS
 
 log = logging.getLogger("servefleet.gateway.kube_routes")
 
@@ -51,8 +50,8 @@ Send = Callable[[Message], Awaitable[None]]
 class SecretReader:
     """GETs the referenced Secrets; keeps digests of tenant keys, values of spill-over keys."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self._client = client
+    def __init__(self, kube: KubeClient) -> None:
+        self._kube = kube
 
     async def read(
         self, tenant_refs: Iterable[SecretKeyPath], spill_refs: Iterable[SecretKeyPath]
@@ -79,22 +78,15 @@ class SecretReader:
         return result
 
     async def _data(self, namespace: str, name: str) -> dict[str, str]:
-        path = f"/api/v1/namespaces/{namespace}/secrets/{name}"
-        response = await self._client.get(path)
-        if response.status_code == 404:
-            return {}
-        if response.status_code >= 400:
-            # The status body names the Secret and the reason, never its data.
-            raise RuntimeError(
-                f"reading Secret {namespace}/{name}: HTTP {response.status_code} "
-                f"{response.json().get('message', '') if _is_json(response) else ''}"
-            )
-        data: dict[str, str] = response.json().get("data") or {}
+        try:
+            secret = await self._kube.get(SECRETS, namespace, name)
+        except KubeError as exc:
+            # The error names the Secret and the reason, never its data.
+            raise KubeError(
+                exc.status, f"reading Secret {namespace}/{name}: {exc.message}"
+            ) from exc
+        data: dict[str, str] = (secret or {}).get("data") or {}
         return data
-
-
-def _is_json(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("application/json")
 
 
 def _decode(encoded: str, ref: SecretKeyPath) -> str | None:
@@ -112,7 +104,7 @@ class KubeRoutes:
         self,
         gateway: Gateway,
         base: GatewayConfig,
-        api: KubernetesApi,
+        access: KubeAccess,
         *,
         namespaces: Iterable[str] = (),
         mount: str = SECRETS_MOUNT,
@@ -122,7 +114,7 @@ class KubeRoutes:
     ) -> None:
         self.gateway = gateway
         self.base = base
-        self.api = api
+        self.access = access
         self.namespaces: list[str | None] = [*namespaces] or [None]
         self.mount = mount
         self.secret_refresh_s = secret_refresh_s
@@ -142,30 +134,32 @@ class KubeRoutes:
         return update
 
     async def run(self) -> None:
+        async with await self.access.connect() as kube:
+            await self._run(kube)
+
+    async def _run(self, kube: KubeClient) -> None:
         watchers = [
-            LabelWatcher(self.api, collection_path("v1", "configmaps", ns), ROUTE_LABEL_SELECTOR)
-            for ns in self.namespaces
+            LabelWatcher(kube, CONFIG_MAPS, ns, ROUTE_LABEL_SELECTOR) for ns in self.namespaces
         ]
         tasks = [
             asyncio.create_task(w.run(self._on_objects(ns)), name=f"routes-{ns or 'all'}")
             for w, ns in zip(watchers, self.namespaces, strict=True)
         ]
         try:
-            async with self.api.client() as client:
-                reader = SecretReader(client)
-                await asyncio.gather(*(w.listed.wait() for w in watchers))
-                while True:
-                    self._changed.clear()
-                    try:
-                        missing = await self._apply(reader)
-                    except Exception:  # a bad pass must not end the watch
-                        log.exception("applying routes failed; retrying")
-                        missing = True
-                    self.synced.set()
-                    wait = self.missing_retry_s if missing else self.secret_refresh_s
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), timeout=wait)
-                    await asyncio.sleep(self.settle_s)  # one apply for a burst of events
+            reader = SecretReader(kube)
+            await asyncio.gather(*(w.listed.wait() for w in watchers))
+            while True:
+                self._changed.clear()
+                try:
+                    missing = await self._apply(reader)
+                except Exception:  # a bad pass must not end the watch
+                    log.exception("applying routes failed; retrying")
+                    missing = True
+                self.synced.set()
+                wait = self.missing_retry_s if missing else self.secret_refresh_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=wait)
+                await asyncio.sleep(self.settle_s)  # one apply for a burst of events
         finally:
             for task in tasks:
                 task.cancel()
@@ -193,7 +187,7 @@ class KubeRoutes:
                 spill_refs |= spills
         try:
             secrets = await reader.read(tenant_refs, spill_refs)
-        except (httpx.HTTPError, RuntimeError) as exc:
+        except KubeError as exc:
             log.warning("cannot read tenant key Secrets (%s); keeping the current routes", exc)
             return True
         resolved: list[tuple[Route, GatewayConfig]] = []

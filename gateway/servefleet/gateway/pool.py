@@ -1,37 +1,42 @@
 """One deployment at run time: its queue, its replicas, and what has been measured about them.
 
-This is where admission, queueing and routing meet. A request either takes a free slot at
-once, or waits in the fair queue until `pump` hands it a replica (on every release, every
-replica that becomes ready, and every ejection back-off that ends).
+`acquire(request)` is the pool's one entry point (KubeAI's `AwaitBestAddress` plays the same
+part): it decides once, through `admission`, whether a request is served, queued, spilled or
+shed, and does the waiting itself, so a caller only acts on the answer — a `Lease` on a
+replica, a `Spill` (the spill-over budget already taken) or a `Shed`. Queued requests wait in
+the fair queue until `pump` hands them a replica: on every release, every replica that becomes
+ready, and every ejection back-off that ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
-from servefleet.gateway.admission import Decision, PoolView, SpillRule, decide
+from servefleet.api.gateway_stats import DeploymentStats, GatewayReplicaStats, ReplicaHealth
+from servefleet.gateway.admission import Action, AdmissionOutcome, PoolView, SpillRule, decide
+from servefleet.gateway.measurements import Ewma, LatencyWindow, RateWindow
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
-from servefleet.gateway.routing import Replica, ReplicaSet, ReplicaState
+from servefleet.gateway.routing import Replica, ReplicaSet
 from servefleet.gateway.spill_budget import LocalSpillBudget, SpillBudget
 
 if TYPE_CHECKING:  # the tokenizer is optional and loaded lazily
     from servefleet.gateway.token_counter import PromptTokenCounter
 
 
-class Shed(Exception):
-    """A queued request was pushed out or timed out; answer 503 with this Retry-After."""
+@dataclass(frozen=True, slots=True)
+class PoolRequest:
+    """What the pool needs to know about a request to place it."""
 
-    def __init__(self, retry_after_s: float, reason: str) -> None:
-        super().__init__(reason)
-        self.retry_after_s = retry_after_s
-        self.reason = reason
+    tenant: str
+    traffic_class: TrafficClass
+    weight: float
+    tokens: int  # prompt + the completion budget: its cost in the queue and on a replica
+    affinity_key: int | None
 
 
 @dataclass(slots=True, eq=False)
@@ -41,45 +46,31 @@ class Lease:
     replica: Replica
     tokens: int
     dispatched_at: float
+    queue_wait_s: float = 0.0
     released: bool = False
 
 
-@dataclass(slots=True)
-class Ewma:
-    value: float
-    alpha: float = 0.2
-    samples: int = 0
+@dataclass(frozen=True, slots=True)
+class Spill:
+    """Send the request to the hosted API; one unit of the spill-over budget is taken."""
 
-    def update(self, sample: float) -> None:
-        # The first real measurement replaces the configured prior outright.
-        self.value = (
-            sample if self.samples == 0 else self.value + self.alpha * (sample - self.value)
-        )
-        self.samples += 1
+    reason: str
 
 
-class LatencyWindow:
-    """Recent latencies (queue wait, TTFT) for a percentile the autoscaler can act on.
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """Answer 503 with this Retry-After."""
 
-    A time window, not a histogram since start: the autoscaler needs what users see now.
-    """
+    retry_after_s: float
+    reason: str
 
-    def __init__(self, window_s: float = 60.0, max_samples: int = 4096) -> None:
-        self.window_s = window_s
-        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
 
-    def add(self, now: float, seconds: float) -> None:
-        self._samples.append((now, seconds))
+class _ShedWhileQueued(Exception):
+    """Wakes a queued request that was pushed out (or found no replica)."""
 
-    def percentile(self, now: float, q: float) -> float | None:
-        """The q-quantile (nearest rank) of the samples in the window; None without any."""
-        samples = self._samples
-        while samples and samples[0][0] < now - self.window_s:
-            samples.popleft()
-        if not samples:
-            return None
-        ordered = sorted(v for _, v in samples)
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    def __init__(self, shed: Shed) -> None:
+        super().__init__(shed.reason)
+        self.shed = shed
 
 
 class DeploymentPool:
@@ -89,7 +80,6 @@ class DeploymentPool:
         routing: RoutingConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
-        on_change: Callable[[DeploymentPool], None] | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -106,7 +96,7 @@ class DeploymentPool:
         self.in_flight = 0
         self.service_time = Ewma(config.service_seconds)
         self.cold_start = Ewma(config.cold_start_seconds)
-        self._completions: deque[float] = deque()
+        self._completions = RateWindow()
         self._seen_starting: set[str] = set()
         self.token_counter: PromptTokenCounter | None = None  # set once loaded (optional)
         self.queue_waits = LatencyWindow()
@@ -117,8 +107,17 @@ class DeploymentPool:
             LocalSpillBudget(spill.max_requests_per_minute, clock) if spill is not None else None
         )
         self._spill_tenants = frozenset(spill.tenants) if spill is not None else frozenset()
-        self._on_change = on_change or (lambda _pool: None)
         self.set_replicas(config.endpoints)
+
+    def inherit(self, old: DeploymentPool) -> None:
+        """A pool replacing `old` keeps what was learned: replicas, timings, tokenizer."""
+        if old.replicas.replicas and self.config.service == old.config.service:
+            ready = [e for e, r in old.replicas.replicas.items() if r.state is ReplicaHealth.READY]
+            self.set_replicas(list(old.replicas.replicas), ready)
+        self.service_time = old.service_time
+        self.cold_start = old.cold_start
+        if self.config.tokenizer == old.config.tokenizer:
+            self.token_counter = old.token_counter
 
     # -- replicas -------------------------------------------------------------------------
     def set_replicas(self, endpoints: Iterable[str], ready: Iterable[str] | None = None) -> None:
@@ -132,7 +131,7 @@ class DeploymentPool:
     def probe_result(self, replica: Replica, ready: bool) -> None:
         now = self._clock()
         before = replica.state
-        if not ready and before is ReplicaState.STARTING:
+        if not ready and before is ReplicaHealth.STARTING:
             # Seen loading: its time to ready is a cold start worth measuring (a replica that
             # was already up when the gateway started is not).
             self._seen_starting.add(replica.endpoint)
@@ -141,10 +140,10 @@ class DeploymentPool:
         if replica.state is not before:
             self.pump()
 
-    def _note_state(self, replica: Replica, before: ReplicaState | None, now: float) -> None:
+    def _note_state(self, replica: Replica, before: ReplicaHealth | None, now: float) -> None:
         if (
-            replica.state is ReplicaState.READY
-            and before is ReplicaState.STARTING
+            replica.state is ReplicaHealth.READY
+            and before is ReplicaHealth.STARTING
             and replica.endpoint in self._seen_starting
         ):
             # Measured cold start: first seen (not ready) until first ready.
@@ -171,11 +170,6 @@ class DeploymentPool:
         per_replica = self.replicas.cap / max(self.service_time.value, 1e-3)
         return per_replica * self.replicas.ready_count(now), per_replica
 
-    def completions_per_second(self, now: float, window_s: float = 60.0) -> float:
-        while self._completions and self._completions[0] < now - window_s:
-            self._completions.popleft()
-        return len(self._completions) / window_s
-
     def seconds_until_ready(self, now: float) -> float | None:
         if self.replicas.ready_count(now) > 0:
             return None
@@ -185,24 +179,48 @@ class DeploymentPool:
             return expected  # nothing starting yet: the autoscaler has to start one
         return min(max(0.0, expected - (now - r.first_seen)) for r in starting)
 
-    # -- admission ------------------------------------------------------------------------
-    def spill_allowed(self, tenant: str) -> bool:
-        spill = self.config.spillover
-        if spill is None or self.spill_budget is None:
+    def record_ttft(self, seconds: float) -> None:
+        self.ttfts.add(self._clock(), seconds)
+
+    # -- the entry point ------------------------------------------------------------------
+    async def acquire(self, request: PoolRequest) -> Lease | Spill | Shed:
+        """Serve, queue, spill or shed: decided once here, waited for here."""
+        outcome = self._admit(request)
+        if outcome.action is Action.SHED:
+            return Shed(outcome.predicted_wait_s, outcome.reason)
+        if outcome.action is Action.SERVE:
+            lease = self._dispatch_now(request)
+            if lease is not None:
+                self.queue_waits.add(lease.dispatched_at, 0.0)
+                return lease
+        elif outcome.action is Action.SPILL:
+            budget = self.spill_budget
+            if budget is not None and await budget.take():
+                return Spill(outcome.reason)
+            if outcome.predicted_wait_s > self.config.admission.max_queue_wait:
+                return Shed(outcome.predicted_wait_s, "spill-over rate cap reached")
+        # Queued, a free slot taken by someone else meanwhile, or spill-over capped.
+        return await self._wait_for_slot(request)
+
+    def _spill_allowed(self, tenant: str) -> bool:
+        if self.config.spillover is None or self.spill_budget is None:
             return False
         if self._spill_tenants and tenant not in self._spill_tenants:
             return False
         return self.spill_budget.available()
 
-    def admit(self, tenant: str, cls: TrafficClass, cost: float, weight: float) -> Decision:
+    def _admit(self, request: PoolRequest) -> AdmissionOutcome:
         now = self._clock()
         queue = self.queue
+        tenant, cls = request.tenant, request.traffic_class
         full = queue.full and queue.make_room(tenant, cls) is None
         rate, per_replica = self.service_rate(now)
         view = PoolView(
             ready_replicas=self.replicas.ready_count(now),
             free_slots=self.replicas.free_slots(now),
-            queue_ahead=queue.ahead_of(tenant, cls, cost, weight) if len(queue) else 0,
+            queue_ahead=queue.ahead_of(tenant, cls, request.tokens, request.weight)
+            if len(queue)
+            else 0,
             queue_full=full,
             service_rate=rate,
             per_replica_rate=per_replica,
@@ -210,77 +228,79 @@ class DeploymentPool:
         )
         spill = self.config.spillover
         rule = SpillRule(
-            allowed=self.spill_allowed(tenant),
+            allowed=self._spill_allowed(tenant),
             on_queue_full=spill.when.queue_full if spill else False,
             on_no_ready_replica=spill.when.no_ready_replica if spill else False,
             wait_over_s=spill.when.predicted_wait_over_seconds if spill else None,
         )
         return decide(view, self.config.admission.max_queue_wait, rule)
 
-    def dispatch_now(self, affinity_key: int | None, tokens: int) -> Lease | None:
+    def _dispatch_now(self, request: PoolRequest) -> Lease | None:
         now = self._clock()
-        replica = self.replicas.pick(affinity_key, now, slack=self.routing.affinity_slack)
+        slack = self.routing.affinity_slack
+        replica = self.replicas.pick(request.affinity_key, now, slack=slack)
         if replica is None:
             return None
-        return self._lease(replica, tokens, now)
+        return self._lease(replica, request.tokens, now)
 
     def _lease(self, replica: Replica, tokens: int, now: float) -> Lease:
         self.replicas.acquire(replica, tokens)
         self.in_flight += 1
         return Lease(replica, tokens, now)
 
-    async def wait_for_slot(
-        self,
-        tenant: str,
-        cls: TrafficClass,
-        cost: float,
-        weight: float,
-        affinity_key: int | None,
-        tokens: int,
-    ) -> tuple[Lease, float]:
-        """Queue the request and wait for a replica; returns the lease and the queue wait.
+    def _make_room(self, request: PoolRequest, now: float) -> Shed | None:
+        """Push out a lower-priority request when the queue is full; a Shed when none can go."""
+        queue = self.queue
+        victim = queue.make_room(request.tenant, request.traffic_class)
+        if victim is None:
+            return Shed(self._retry_after(now), "queue full")
+        queue.cancel(victim)
+        if victim.future is not None and not victim.future.done():
+            shed = Shed(self._retry_after(now), "pushed out by a higher-priority request")
+            victim.future.set_exception(_ShedWhileQueued(shed))
+        return None
 
-        Raises Shed when it is pushed out or waits past maxQueueWait.
-        """
+    async def _wait_for_slot(self, request: PoolRequest) -> Lease | Shed:
+        """Queue the request until `pump` hands it a replica, or shed it past maxQueueWait."""
         loop = asyncio.get_running_loop()
         now = self._clock()
         queue = self.queue
-        if queue.full:
-            victim = queue.make_room(tenant, cls)
-            if victim is None:
-                raise Shed(self._retry_after(now), "queue full")
-            queue.cancel(victim)
-            if victim.future is not None and not victim.future.done():
-                victim.future.set_exception(
-                    Shed(self._retry_after(now), "pushed out by a higher-priority request")
-                )
+        if queue.full and (refused := self._make_room(request, now)) is not None:
+            return refused
         future: asyncio.Future[Lease] = loop.create_future()
         entry = queue.push(
-            tenant, cls, cost, now, weight=weight, future=future, payload=(affinity_key, tokens)
+            request.tenant,
+            request.traffic_class,
+            request.tokens,
+            now,
+            weight=request.weight,
+            future=future,
+            payload=(request.affinity_key, request.tokens),
         )
-        self._on_change(self)
         self.pump()
         try:
             lease = await asyncio.wait_for(
                 asyncio.shield(future), timeout=self.config.admission.max_queue_wait
             )
+        except _ShedWhileQueued as pushed_out:
+            return pushed_out.shed
         except TimeoutError:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                lease = future.result()  # dispatched at the very moment the wait ran out
-            else:
+            if not _holds_lease(future):
                 queue.cancel(entry)
                 future.cancel()
-                self._on_change(self)
-                raise Shed(self._retry_after(self._clock()), "waited past maxQueueWait") from None
+                return Shed(self._retry_after(self._clock()), "waited past maxQueueWait")
+            lease = future.result()  # dispatched at the very moment the wait ran out
         except asyncio.CancelledError:
             # The client went away while queued: give the slot back if one was handed over.
-            if future.done() and not future.cancelled() and future.exception() is None:
+            if _holds_lease(future):
                 self.release(future.result(), ok=True)
             else:
                 queue.cancel(entry)
                 future.cancel()
             raise
-        return lease, self._clock() - entry.enqueued_at
+        lease.queue_wait_s = self._clock() - entry.enqueued_at
+        self.queue_waits.add(self._clock(), lease.queue_wait_s)
+        return lease
 
     def _retry_after(self, now: float) -> float:
         rate, per_replica = self.service_rate(now)
@@ -295,24 +315,21 @@ class DeploymentPool:
         if not len(queue):
             return
         now = self._clock()
-        changed = False
         while len(queue) and self.replicas.free_slots(now) > 0:
             entry: QueuedRequest | None = queue.pop()
             if entry is None:
                 break
-            changed = True
             future = entry.future
             if future is None or future.done():
                 continue
             affinity_key, tokens = entry.payload
             replica = self.replicas.pick(affinity_key, now, slack=self.routing.affinity_slack)
             if replica is None:  # cannot happen while free_slots > 0; keep the request safe
-                future.set_exception(Shed(self._retry_after(now), "no replica"))
+                future.set_exception(_ShedWhileQueued(Shed(self._retry_after(now), "no replica")))
                 continue
             future.set_result(self._lease(replica, tokens, now))
-        if changed:
-            self._on_change(self)
 
+    # -- after dispatch -------------------------------------------------------------------
     def reroute(self, lease: Lease) -> Lease | None:
         """Move a request that got no byte yet to another replica (the one retry)."""
         now = self._clock()
@@ -332,48 +349,41 @@ class DeploymentPool:
             self.replicas.release(lease.replica, lease.tokens)
         if ok:
             self.service_time.update(now - lease.dispatched_at)
-            self._completions.append(now)
+            self._completions.add(now)
             self.replicas.record_success(lease.replica)
         self.pump()
 
-    def record_queue_wait(self, seconds: float) -> None:
-        self.queue_waits.add(self._clock(), seconds)
-
-    def record_ttft(self, seconds: float) -> None:
-        self.ttfts.add(self._clock(), seconds)
-
     # -- reporting ------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> DeploymentStats:
         now = self._clock()
         rate, _ = self.service_rate(now)
-        return {
-            "name": self.name,
-            "model": self.model,
-            "queue_depth": len(self.queue),
-            "queue_depth_interactive": self.queue.depth(TrafficClass.INTERACTIVE),
-            "queue_depth_batch": self.queue.depth(TrafficClass.BATCH),
-            "in_flight": self.in_flight,
-            "service_rate": rate,
-            "completions_per_second": self.completions_per_second(now),
-            "mean_service_seconds": self.service_time.value,
-            "cold_start_seconds": self.cold_start.value,
-            # Over the last minute; None when nothing was measured in it.
-            "queue_wait_p90_seconds": self.queue_waits.percentile(now, 0.9),
-            "ttft_p90_seconds": self.ttfts.percentile(now, 0.9),
-            "prompt_token_count": "estimate" if self.token_counter is None else "tokenizer",
-            "ready_replicas": self.replicas.ready_count(now),
-            "replicas": [
-                {
-                    "endpoint": r.endpoint,
-                    "state": r.state.value,
-                    "outstanding": r.outstanding,
-                    "cap": r.cap,
-                    "served": r.served,
-                }
+        return DeploymentStats(
+            name=self.name,
+            model=self.model,
+            queue_depth=len(self.queue),
+            queue_depth_interactive=self.queue.depth(TrafficClass.INTERACTIVE),
+            queue_depth_batch=self.queue.depth(TrafficClass.BATCH),
+            in_flight=self.in_flight,
+            service_rate=rate,
+            completions_per_second=self._completions.per_second(now),
+            mean_service_seconds=self.service_time.value,
+            cold_start_seconds=self.cold_start.value,
+            queue_wait_p90_seconds=self.queue_waits.percentile(now, 0.9),
+            ttft_p90_seconds=self.ttfts.percentile(now, 0.9),
+            prompt_token_count="estimate" if self.token_counter is None else "tokenizer",
+            ready_replicas=self.replicas.ready_count(now),
+            replicas=[
+                GatewayReplicaStats(
+                    endpoint=r.endpoint,
+                    state=r.state,
+                    outstanding=r.outstanding,
+                    cap=r.cap,
+                    served=r.served,
+                )
                 for r in self.replicas.replicas.values()
             ],
-        }
+        )
 
 
-def retry_after_header(seconds: float) -> str:
-    return str(max(1, math.ceil(seconds)))
+def _holds_lease(future: asyncio.Future[Lease]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None

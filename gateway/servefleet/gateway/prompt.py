@@ -1,11 +1,11 @@
 """What the gateway reads from a request body: a token estimate and a prefix-affinity key.
 
-The gateway does not run the model's tokenizer on the hot path. Prompt tokens are estimated
-from characters (`chars_per_token`) for the reservation, and settled with the engine's exact
-usage when the response ends, so a wrong estimate only moves tokens between reservation and
-refund. The affinity key hashes the first `blocks` KV blocks' worth of prompt text (rounded
-down to whole blocks, so two prompts that share a system prompt share a key even when their
-tails differ).
+Prompt tokens are estimated from characters (`chars_per_token`) for the reservation when the
+deployment names no tokenizer or it is not loaded yet (`token_counter` counts exactly
+otherwise), and settled with the engine's exact usage when the response ends, so a wrong
+estimate only moves tokens between reservation and refund. The affinity key hashes the first
+`blocks` KV blocks' worth of prompt text (rounded down to whole blocks, so two prompts that
+share a system prompt share a key even when their tails differ).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from servefleet.text.messages import content_text
 
 # Role markers and per-message framing the chat template adds (a rough, cheap constant).
 PER_MESSAGE_TOKENS = 4
@@ -36,10 +38,11 @@ class PromptReader:
         return max(1, int(self.block_size * self.chars_per_token))
 
     def chat(self, messages: list[dict[str, Any]]) -> PromptShape:
+        """Messages validated by the request model (text parts only, see `servefleet.text`)."""
         parts: list[str] = []
         for message in messages:
             parts.append(str(message.get("role", "")))
-            parts.append(_content_text(message.get("content")))
+            parts.append(content_text(message.get("content")))
         text = "\x1f".join(parts)
         tokens = math.ceil(len(text) / self.chars_per_token) + PER_MESSAGE_TOKENS * len(messages)
         return PromptShape(tokens, self._key(text))
@@ -67,16 +70,6 @@ class PromptReader:
         if whole == 0:
             return None
         return _digest(text[: whole * block])
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return str(content)
 
 
 def _digest(text: str) -> int:

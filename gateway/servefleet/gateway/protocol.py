@@ -6,9 +6,9 @@ the engine unchanged (the engine validates its own parameters).
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from servefleet.text.messages import MessageContent
 
 
 class StreamOptions(BaseModel):
@@ -21,7 +21,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str = Field(min_length=1)
-    content: str | list[dict[str, Any]] | None = None
+    content: MessageContent = None
 
 
 class ChatCompletionRequest(BaseModel):

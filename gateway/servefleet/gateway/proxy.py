@@ -14,8 +14,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
 
 
@@ -128,16 +126,3 @@ def upstream_error_message(status: int, body: bytes) -> str:
         pass
     text = body[:200].decode(errors="replace").strip()
     return f"upstream answered {status}" + (f": {text}" if text else "")
-
-
-def make_client(max_connections: int = 4096) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        limits=httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=30.0,
-        ),
-        timeout=httpx.Timeout(300.0, connect=5.0, pool=None),
-        follow_redirects=False,
-        trust_env=False,
-    )

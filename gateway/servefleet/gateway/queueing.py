@@ -85,11 +85,6 @@ class FairQueue:
     def full(self) -> bool:
         return len(self) >= self.max_depth
 
-    def tenant_depth(self, tenant: str) -> int:
-        return sum(
-            sum(1 for r in lane.backlogs.get(tenant, ()) if not r.cancelled) for lane in self._lanes
-        )
-
     # -- tags ---------------------------------------------------------------------------
     def _tags(self, lane: _Lane, tenant: str, cost: float, weight: float) -> tuple[float, float]:
         # A tenant back from idle starts up to `burst_credit` requests behind virtual time, so

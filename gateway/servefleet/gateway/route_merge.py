@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, ValidationError
 
+from servefleet.api.conventions import ROUTE_GATEWAY_KEY, SECRETS_MOUNT
 from servefleet.api.gateway_config import (
     ApiKeyRef,
     GatewayConfig,
@@ -30,10 +31,6 @@ from servefleet.api.gateway_config import (
     GatewayTenant,
     SecretValueRef,
 )
-
-SECRETS_MOUNT = "/etc/servefleet/secrets"  # the operator's convention (render.SECRETS_MOUNT)
-ROUTE_LABEL_SELECTOR = "servefleet.io/gateway-route=true"
-ROUTE_DATA_KEY = "gateway.yaml"
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -68,13 +65,13 @@ class RouteError(ValueError):
 def parse_route(configmap: Mapping[str, Any]) -> Route:
     meta = configmap.get("metadata") or {}
     namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
-    text = (configmap.get("data") or {}).get(ROUTE_DATA_KEY)
+    text = (configmap.get("data") or {}).get(ROUTE_GATEWAY_KEY)
     if text is None:
-        raise RouteError(f"{namespace}/{name}: no {ROUTE_DATA_KEY}")
+        raise RouteError(f"{namespace}/{name}: no {ROUTE_GATEWAY_KEY}")
     try:
         config = GatewayConfig.model_validate(yaml.safe_load(text) or {})
     except (yaml.YAMLError, ValidationError) as exc:
-        raise RouteError(f"{namespace}/{name}: invalid {ROUTE_DATA_KEY}: {exc}") from None
+        raise RouteError(f"{namespace}/{name}: invalid {ROUTE_GATEWAY_KEY}: {exc}") from None
     return Route(namespace, name, config)
 
 

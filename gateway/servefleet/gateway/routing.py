@@ -13,17 +13,11 @@ draining: it gets no new requests until its readiness probe says otherwise.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-
-class ReplicaState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    EJECTED = "ejected"
+from servefleet.api.gateway_stats import ReplicaHealth
 
 
 def stable_hash(text: str) -> int:
@@ -42,7 +36,7 @@ def _mix(key: int, seed: int) -> int:
 class Replica:
     endpoint: str  # base URL, e.g. http://10.0.0.5:8000
     cap: int
-    state: ReplicaState = ReplicaState.STARTING
+    state: ReplicaHealth = ReplicaHealth.STARTING
     seed: int = 0
     outstanding: int = 0
     outstanding_tokens: int = 0
@@ -53,11 +47,11 @@ class Replica:
     served: int = 0
 
     def routable(self, now: float) -> bool:
-        if self.state is ReplicaState.READY:
+        if self.state is ReplicaHealth.READY:
             return True
         # Half-open after the back-off: one trial request at a time.
         return (
-            self.state is ReplicaState.EJECTED
+            self.state is ReplicaHealth.EJECTED
             and now >= self.ejected_until
             and self.outstanding == 0
         )
@@ -111,7 +105,7 @@ class ReplicaSet:
         )
 
     def starting(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.state is ReplicaState.STARTING]
+        return [r for r in self.replicas.values() if r.state is ReplicaHealth.STARTING]
 
     def outstanding(self) -> int:
         return sum(r.outstanding for r in self.replicas.values())
@@ -161,28 +155,28 @@ class ReplicaSet:
     # -- health -------------------------------------------------------------------------
     def record_success(self, replica: Replica) -> None:
         replica.served += 1
-        if replica.state is ReplicaState.EJECTED:
-            replica.state = ReplicaState.READY
+        if replica.state is ReplicaHealth.EJECTED:
+            replica.state = ReplicaHealth.READY
         replica.failures = 0
 
     def eject(self, replica: Replica, now: float) -> None:
         replica.failures += 1
         backoff = min(self.eject_max_s, self.eject_base_s * 2 ** (replica.failures - 1))
-        replica.state = ReplicaState.EJECTED
+        replica.state = ReplicaHealth.EJECTED
         replica.ejected_until = now + backoff
 
     def mark_draining(self, replica: Replica) -> None:
-        replica.state = ReplicaState.DRAINING
+        replica.state = ReplicaHealth.DRAINING
 
     def mark_probe(self, replica: Replica, ready: bool, now: float) -> None:
         """Apply a readiness probe (or an EndpointSlice condition) to a replica's state."""
         if ready:
-            if replica.state in (ReplicaState.STARTING, ReplicaState.DRAINING):
-                replica.state = ReplicaState.READY
+            if replica.state in (ReplicaHealth.STARTING, ReplicaHealth.DRAINING):
+                replica.state = ReplicaHealth.READY
                 if replica.ready_at is None:
                     replica.ready_at = now
-            elif replica.state is ReplicaState.EJECTED and now >= replica.ejected_until:
-                replica.state = ReplicaState.READY
-        elif replica.state is ReplicaState.READY:
+            elif replica.state is ReplicaHealth.EJECTED and now >= replica.ejected_until:
+                replica.state = ReplicaHealth.READY
+        elif replica.state is ReplicaHealth.READY:
             # Once ready, "not ready" means draining (or dying): stop sending to it.
-            replica.state = ReplicaState.DRAINING
+            replica.state = ReplicaHealth.DRAINING

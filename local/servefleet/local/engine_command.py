@@ -1,4 +1,5 @@
-"""The command line of one local engine replica, derived from the LLMDeployment spec.
+"""The command line of one local engine replica: the engine adapter's arguments (the same
+table the operator renders pods from) plus the host, port and model path of this machine.
 
 It starts with the `servefleet` script itself, so `ps` shows `servefleet engine` exactly as a
 pod's command line would.
@@ -10,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from servefleet.api.engines import EngineListen, engine_adapter
 from servefleet.api.llmdeployment import LLMDeploymentSpec
 
 
@@ -45,37 +47,13 @@ def model_argument(spec: LLMDeploymentSpec) -> str:
 
 
 def engine_command(spec: LLMDeploymentSpec, host: str, port: int) -> list[str]:
+    """The adapter's command and arguments (as a pod gets them), listening on `host:port`."""
     if spec.engine.kind != "servefleet":
         raise LocalModeError(
             f"engine.kind {spec.engine.kind} runs only on Kubernetes; local mode runs servefleet"
         )
-    engine = spec.engine
-    argv = [
-        *servefleet_executable(),
-        "engine",
-        "--model",
-        model_argument(spec),
-        "--served-model-name",
-        spec.model.name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--max-num-seqs",
-        str(engine.max_num_seqs or spec.pool.per_replica_concurrency),
-        "--max-queue-depth",
-        str(max(1, spec.pool.per_replica_concurrency)),
-        "--drain-timeout",
-        str(engine.drain_timeout_seconds),
-        "--block-size",
-        str(engine.block_size),
-        "--dtype",
-        engine.dtype,
-    ]
-    if engine.kv_cache_memory is not None:
-        argv += ["--kv-cache-memory", str(engine.kv_cache_memory)]
-    if engine.max_num_batched_tokens is not None:
-        argv += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
-    if not engine.prefix_caching:
-        argv.append("--no-prefix-caching")
-    return argv + list(engine.args)
+    adapter = engine_adapter(spec.engine.kind)
+    # The pod's command names the `servefleet` script; here it is this installation's.
+    subcommand = list(adapter.command[1:])
+    args = adapter.args(spec, model_argument(spec), EngineListen(host=host, port=port))
+    return [*servefleet_executable(), *subcommand, *args]

@@ -25,12 +25,16 @@ from typing import IO
 
 import httpx
 
+from servefleet.api.engines import engine_adapter
 from servefleet.autoscaler.observe import ReplicaTarget
 from servefleet.autoscaler.signals import ReplicaState
 
 from .ports import free_port
 
 log = logging.getLogger(__name__)
+
+# Local mode runs only our engine (see engine_command).
+READY_PATH = engine_adapter("servefleet").ready_path
 
 CommandFor = Callable[[int], list[str]]
 OnChange = Callable[[list[str], list[str]], None]
@@ -191,7 +195,7 @@ class DeploymentSupervisor:
 
     async def _probe(self, replica: ReplicaProcess, now: float) -> None:
         try:
-            response = await self._client.get(replica.base_url + "/ready")
+            response = await self._client.get(replica.base_url + READY_PATH)
             ready = response.status_code == 200
         except httpx.HTTPError:
             ready = False

@@ -15,10 +15,14 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, cast
 
-import httpx
 import kopf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servefleet.api.conventions import (
+    FIELD_MANAGER_OPERATOR,
+    LABEL_APP_MANAGED_BY,
+    LABEL_DEPLOYMENT,
+)
 from servefleet.api.llmdeployment import (
     API_GROUP,
     API_VERSION,
@@ -27,8 +31,9 @@ from servefleet.api.llmdeployment import (
     PLURAL,
     LLMDeployment,
 )
+from servefleet.kube import KubeAccess, KubeClient, KubeError
+from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, SERVICE_MONITORS
 from servefleet.operator import render
-from servefleet.operator.kube import Credentials, KubeClient, KubeError
 from servefleet.operator.status import (
     EventSpec,
     Observed,
@@ -99,7 +104,9 @@ class Reconciler:
             or now - self._service_monitor[0] > self.settings.service_monitor_check_seconds
         ):
             try:
-                exists = await self.client.has_api("monitoring.coreos.com/v1", "servicemonitors")
+                exists = await self.client.has_api(
+                    SERVICE_MONITORS.api_version, SERVICE_MONITORS.plural
+                )
             except KubeError as exc:
                 log.warning("cannot check for the ServiceMonitor API: %s", exc)
                 exists = False
@@ -115,7 +122,7 @@ class Reconciler:
             )
             for obj in children:
                 try:
-                    await self.client.apply(obj, render.FIELD_MANAGER)
+                    await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
                 except KubeError as exc:
                     error = f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
                     break
@@ -128,7 +135,7 @@ class Reconciler:
         items: list[dict[str, Any]] = []
         namespaces: list[str | None] = [*self.settings.namespaces] or [None]
         for namespace in namespaces:
-            items += await self.client.list(FULL_API_VERSION, KIND, namespace)
+            items += (await self.client.list(LLM_DEPLOYMENTS, namespace)).items
         for body in items:
             meta = body.get("metadata", {})
             if meta.get("deletionTimestamp"):
@@ -152,13 +159,13 @@ class Reconciler:
             await asyncio.sleep(self.settings.resync_seconds)
             try:
                 await self.resync_once()
-            except (KubeError, httpx.HTTPError) as exc:
+            except KubeError as exc:
                 log.warning("drift repair pass failed: %s", exc)
 
     async def refresh_status(self, namespace: str, name: str) -> None:
         """Recompute status from the cluster (after an engine Deployment changed)."""
         async with self._lock(namespace, name):
-            body = await self.client.get(FULL_API_VERSION, KIND, namespace, name)
+            body = await self.client.get(LLM_DEPLOYMENTS, namespace, name)
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return
             try:
@@ -168,14 +175,12 @@ class Reconciler:
             await self._write_status(dep, None)
 
     async def _write_status(self, dep: LLMDeployment, error: str | None) -> None:
-        deployment = await self.client.get(
-            "apps/v1", "Deployment", dep.namespace, render.engine_name(dep)
-        )
+        deployment = await self.client.get(DEPLOYMENTS, dep.namespace, render.engine_name(dep))
         new = compute_status(dep, Observed(deployment, error), self.endpoint, _now())
         if status_patch(new) == status_patch(dep.status):
             return
         await self.client.patch_status(
-            FULL_API_VERSION, KIND, dep.namespace, dep.name, status_patch(new)
+            LLM_DEPLOYMENTS, dep.namespace, dep.name, status_patch(new), FIELD_MANAGER_OPERATOR
         )
         for event in transition_events(dep.status, new):
             self.post_event(_event_target(dep), event)
@@ -219,16 +224,23 @@ def parse_body(body: kopf.Body) -> LLMDeployment:
         raise kopf.PermanentError(f"invalid spec: {problems}") from exc
 
 
-def build_registry(settings: OperatorSettings, creds: Credentials) -> kopf.OperatorRegistry:
-    """A kopf registry with every handler bound to one Reconciler (no module globals)."""
+def build_registry(settings: OperatorSettings, access: KubeAccess) -> kopf.OperatorRegistry:
+    """A kopf registry with every handler bound to one Reconciler (no module globals).
+
+    kopf watches with its own client; it logs in with the credentials of ours, asked again
+    whenever kopf sees a 401, so a refreshed token (exec plugin, rotated ServiceAccount
+    token) reaches both.
+    """
     registry = kopf.OperatorRegistry()
     reconciler_box: dict[str, Reconciler] = {}
     tasks: dict[str, asyncio.Task[None]] = {}
     resource = (API_GROUP, API_VERSION, PLURAL)
+    connecting = asyncio.Lock()
 
-    def reconciler() -> Reconciler:
-        if "r" not in reconciler_box:
-            reconciler_box["r"] = Reconciler(KubeClient(creds), settings)
+    async def reconciler() -> Reconciler:
+        async with connecting:
+            if "r" not in reconciler_box:
+                reconciler_box["r"] = Reconciler(await access.connect(), settings)
         return reconciler_box["r"]
 
     @kopf.on.startup(registry=registry)
@@ -249,19 +261,21 @@ def build_registry(settings: OperatorSettings, creds: Credentials) -> kopf.Opera
 
     @kopf.on.startup(registry=registry)
     async def start_drift_repair(**_: Any) -> None:
-        tasks["resync"] = asyncio.create_task(reconciler().resync_forever(), name="drift-repair")
+        repair = (await reconciler()).resync_forever()
+        tasks["resync"] = asyncio.create_task(repair, name="drift-repair")
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        creds = await (await reconciler()).client.credentials()
         return kopf.ConnectionInfo(
             server=creds.server,
-            token=creds.token,
-            ca_data=creds.ca_data,
-            certificate_data=creds.cert_data,
-            private_key_data=creds.key_data,
+            token=creds.token.get_secret_value() if creds.token else None,
+            scheme=creds.scheme,
+            ca_path=creds.ca_path,
+            certificate_path=creds.cert_path,
+            private_key_path=creds.key_path,
             insecure=creds.insecure,
             default_namespace=creds.namespace,
-            scheme="Bearer" if creds.token else None,
         )
 
     @kopf.on.cleanup(registry=registry)
@@ -275,26 +289,26 @@ def build_registry(settings: OperatorSettings, creds: Credentials) -> kopf.Opera
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
     async def reconcile_spec(body: kopf.Body, **_: Any) -> None:
-        await reconciler().reconcile(parse_body(body))
+        await (await reconciler()).reconcile(parse_body(body))
 
     @kopf.on.delete(*resource, registry=registry, optional=True)
-    def forget(name: str, namespace: str | None, **_: Any) -> None:
-        reconciler().forget(namespace or "", name)
+    async def forget(name: str, namespace: str | None, **_: Any) -> None:
+        (await reconciler()).forget(namespace or "", name)
 
     @kopf.on.event(
         "apps",
         "v1",
         "deployments",
         labels={
-            render.LABEL_DEPLOYMENT: kopf.PRESENT,
-            "app.kubernetes.io/managed-by": render.FIELD_MANAGER,
+            LABEL_DEPLOYMENT: kopf.PRESENT,
+            LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR,
         },
         registry=registry,
     )
     async def engine_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
         """Readiness moves on the engine Deployment: reflect it in the parent's status now."""
-        owner = body.get("metadata", {}).get("labels", {}).get(render.LABEL_DEPLOYMENT)
+        owner = body.get("metadata", {}).get("labels", {}).get(LABEL_DEPLOYMENT)
         if owner and type != "DELETED":
-            await reconciler().refresh_status(body["metadata"]["namespace"], owner)
+            await (await reconciler()).refresh_status(body["metadata"]["namespace"], owner)
 
     return registry

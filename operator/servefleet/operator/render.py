@@ -15,18 +15,37 @@ from typing import Any
 
 import yaml
 
+from servefleet.api.conventions import (
+    COMPONENT_ENGINE,
+    COMPONENT_GATEWAY_ROUTE,
+    ENGINE_APP_NAME,
+    ENGINE_CONTAINER,
+    ENGINE_PORT_NAME,
+    FIELD_MANAGER_OPERATOR,
+    LABEL_APP_INSTANCE,
+    LABEL_APP_MANAGED_BY,
+    LABEL_APP_NAME,
+    LABEL_APP_PART_OF,
+    LABEL_COMPONENT,
+    LABEL_DEPLOYMENT,
+    LABEL_ENGINE,
+    LABEL_GATEWAY_ROUTE,
+    MODEL_MOUNT,
+    MODEL_VOLUME,
+    PART_OF,
+    ROUTE_GATEWAY_KEY,
+    SECRETS_MOUNT,
+    SHM_MOUNT,
+    SHM_VOLUME,
+    engine_object_name,
+    engine_selector,
+    label_selector,
+    route_object_name,
+)
+from servefleet.api.engines import EngineAdapter, engine_adapter
 from servefleet.api.gateway_config import MountedSecretKeys, ServiceRef, render_gateway_config
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
-from servefleet.operator.adapters import EngineAdapter, adapter_for
 
-FIELD_MANAGER = "servefleet-operator"
-LABEL_DEPLOYMENT = "servefleet.io/llmdeployment"
-LABEL_COMPONENT = "servefleet.io/component"
-LABEL_ENGINE = "servefleet.io/engine"
-LABEL_GATEWAY_ROUTE = "servefleet.io/gateway-route"
-MODEL_MOUNT = "/models"
-# Where the gateway pod finds tenant/spill-over Secret keys: <this>/<namespace>/<secret>/<key>.
-SECRETS_MOUNT = "/etc/servefleet/secrets"
 PROBE_PERIOD_SECONDS = 5
 # Time between SIGKILL and the end of the engine's own drain, for the process to exit.
 EXIT_GRACE_SECONDS = 10
@@ -42,28 +61,28 @@ class RenderSettings:
 
 
 def engine_name(dep: LLMDeployment) -> str:
-    return f"{dep.name}-engine"
+    return engine_object_name(dep.name)
 
 
 def route_name(dep: LLMDeployment) -> str:
-    return f"{dep.name}-gateway-route"
+    return route_object_name(dep.name)
 
 
 def selector_labels(dep: LLMDeployment) -> dict[str, str]:
-    return {LABEL_DEPLOYMENT: dep.name, LABEL_COMPONENT: "engine"}
+    return engine_selector(dep.name)
 
 
 def selector_string(dep: LLMDeployment) -> str:
     """The engine pods' selector as text, for status.selector (the scale subresource)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(dep).items()))
+    return label_selector(selector_labels(dep))
 
 
 def common_labels(dep: LLMDeployment) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "servefleet-engine",
-        "app.kubernetes.io/instance": dep.name,
-        "app.kubernetes.io/part-of": "servefleet",
-        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        LABEL_APP_NAME: ENGINE_APP_NAME,
+        LABEL_APP_INSTANCE: dep.name,
+        LABEL_APP_PART_OF: PART_OF,
+        LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR,
         LABEL_DEPLOYMENT: dep.name,
     }
 
@@ -106,16 +125,16 @@ def _model_location(
         return source.builtin, [], [], []
     if source.pvc is not None:
         volume = {
-            "name": "model",
+            "name": MODEL_VOLUME,
             "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True},
         }
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}
         path = posixpath.join(MODEL_MOUNT, source.pvc.path) if source.pvc.path else MODEL_MOUNT
         return path, [volume], [mount], []
     assert source.url is not None
     filename = posixpath.basename(source.url.split("?", 1)[0]) or "model"
     target = posixpath.join(MODEL_MOUNT, filename)
-    volume = {"name": "model", "emptyDir": {}}
+    volume = {"name": MODEL_VOLUME, "emptyDir": {}}
     fetch = {
         "name": "fetch-model",
         "image": settings.engine_image,
@@ -127,9 +146,9 @@ def _model_location(
             source.url,
             target,
         ],
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}],
     }
-    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}
     return target, [volume], [mount], [fetch]
 
 
@@ -161,7 +180,7 @@ def _resources(dep: LLMDeployment) -> dict[str, Any]:
 
 def _probes(adapter: EngineAdapter, startup_timeout: int) -> dict[str, Any]:
     def http(path: str) -> dict[str, Any]:
-        return {"path": path, "port": "http"}
+        return {"path": path, "port": ENGINE_PORT_NAME}
 
     return {
         # Slow model loads get the whole startupTimeoutSeconds before liveness counts.
@@ -187,19 +206,19 @@ def _probes(adapter: EngineAdapter, startup_timeout: int) -> dict[str, Any]:
 
 def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[str, Any]:
     engine = dep.spec.engine
-    adapter = adapter_for(engine.kind)
+    adapter = engine_adapter(engine.kind)
     image = engine.image or adapter.default_image or settings.engine_image
     model_arg, volumes, mounts, init_containers = _model_location(dep, settings)
     if adapter.needs_shared_memory:
-        volumes = [*volumes, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-        mounts = [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}]
+        volumes = [*volumes, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+        mounts = [*mounts, {"name": SHM_VOLUME, "mountPath": SHM_MOUNT}]
     container: dict[str, Any] = {
-        "name": "engine",
+        "name": ENGINE_CONTAINER,
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(adapter.command),
-        "args": adapter.args(engine, model_arg, dep.spec.model.name),
-        "ports": [{"name": "http", "containerPort": adapter.port, "protocol": "TCP"}],
+        "args": adapter.args(dep.spec, model_arg, adapter.pod_listen()),
+        "ports": [{"name": ENGINE_PORT_NAME, "containerPort": adapter.port, "protocol": "TCP"}],
         **_probes(adapter, engine.startup_timeout_seconds),
     }
     if env := _env(dep):
@@ -237,7 +256,7 @@ def engine_deployment(dep: LLMDeployment, settings: RenderSettings) -> dict[str,
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
         "spec": {
             "replicas": dep.spec.desired_replicas(),
             "selector": {"matchLabels": selector_labels(dep)},
@@ -255,16 +274,23 @@ def engine_deployment(dep: LLMDeployment, settings: RenderSettings) -> dict[str,
 
 def headless_service(dep: LLMDeployment) -> dict[str, Any]:
     """One DNS record / EndpointSlice entry per ready replica: the gateway routes per replica."""
-    port = adapter_for(dep.spec.engine.kind).port
+    port = engine_adapter(dep.spec.engine.kind).port
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(dep),
             "publishNotReadyAddresses": False,
-            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [
+                {
+                    "name": ENGINE_PORT_NAME,
+                    "port": port,
+                    "targetPort": ENGINE_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
         },
     }
 
@@ -278,21 +304,23 @@ def pod_disruption_budget(dep: LLMDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
         "spec": {"selector": {"matchLabels": selector_labels(dep)}, **budget},
     }
 
 
 def service_monitor(dep: LLMDeployment) -> dict[str, Any]:
     """Prometheus Operator scrape config for the engine replicas (only when that CRD exists)."""
-    adapter = adapter_for(dep.spec.engine.kind)
+    adapter = engine_adapter(dep.spec.engine.kind)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: "engine"}),
+        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
         "spec": {
             "selector": {"matchLabels": {**selector_labels(dep)}},
-            "endpoints": [{"port": "http", "path": adapter.metrics_path, "interval": "15s"}],
+            "endpoints": [
+                {"port": ENGINE_PORT_NAME, "path": adapter.metrics_path, "interval": "15s"}
+            ],
         },
     }
 
@@ -306,31 +334,18 @@ def gateway_config(dep: LLMDeployment) -> dict[str, Any]:
         {},
         MountedSecretKeys(f"{SECRETS_MOUNT}/{dep.namespace}"),
         services={
-            dep.name: ServiceRef(namespace=dep.namespace, name=engine_name(dep), port_name="http")
+            dep.name: ServiceRef(
+                namespace=dep.namespace, name=engine_name(dep), port_name=ENGINE_PORT_NAME
+            )
         },
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
 
 
-def engine_info(dep: LLMDeployment) -> dict[str, Any]:
-    """What the autoscaler needs to read a replica: port, paths and metric names."""
-    adapter = adapter_for(dep.spec.engine.kind)
-    return {
-        "kind": adapter.kind,
-        "port": adapter.port,
-        "metricsPath": adapter.metrics_path,
-        "metrics": {
-            "requestsWaiting": adapter.metrics.requests_waiting,
-            "requestsRunning": adapter.metrics.requests_running,
-            "kvCacheUsage": adapter.metrics.kv_cache_usage,
-        },
-    }
-
-
 def gateway_route_configmap(dep: LLMDeployment) -> dict[str, Any]:
-    """The route as a ConfigMap the gateway watches (label servefleet.io/gateway-route=true):
-    `gateway.yaml` is a GatewayConfig fragment, `engine.yaml` the engine's metric names."""
+    """The route as a ConfigMap the gateway watches (ROUTE_LABEL_SELECTOR): ROUTE_GATEWAY_KEY
+    is this deployment's GatewayConfig fragment."""
 
     # Sorted keys and a fixed width: re-rendering an unchanged spec gives identical bytes,
     # so server-side apply is a no-op and nothing churns.
@@ -341,9 +356,13 @@ def gateway_route_configmap(dep: LLMDeployment) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(
-            dep, route_name(dep), {LABEL_COMPONENT: "gateway-route", LABEL_GATEWAY_ROUTE: "true"}
+            dep,
+            route_name(dep),
+            {LABEL_COMPONENT: COMPONENT_GATEWAY_ROUTE, LABEL_GATEWAY_ROUTE: "true"},
         ),
-        "data": {"gateway.yaml": dump(gateway_config(dep)), "engine.yaml": dump(engine_info(dep))},
+        "data": {
+            ROUTE_GATEWAY_KEY: dump(gateway_config(dep)),
+        },
     }
 
 

@@ -64,134 +64,118 @@ def _set(
     )
 
 
+@dataclass(frozen=True)
+class _Rollout:
+    """The engine Deployment's counts, and what the conditions are stamped with."""
+
+    desired: int
+    min_replicas: int
+    replicas: int
+    ready: int
+    updated: int
+    available: int
+    current: bool  # the Deployment controller has seen the latest generation
+    exists: bool
+    previous: list[Condition]
+    now: str
+    generation: int
+
+    def condition(self, type_: str, status: bool, reason: str, message: str) -> Condition:
+        return _set(self.previous, type_, status, reason, message, self.now, self.generation)
+
+
+def _rollout(dep: LLMDeployment, observed: Observed, now: str) -> _Rollout:
+    deployment = observed.deployment
+    dstatus: dict[str, Any] = (deployment or {}).get("status", {}) or {}
+    return _Rollout(
+        desired=dep.spec.desired_replicas(),
+        min_replicas=dep.spec.pool.min_replicas,
+        replicas=_int(dstatus, "replicas"),
+        ready=_int(dstatus, "readyReplicas"),
+        updated=_int(dstatus, "updatedReplicas"),
+        available=_int(dstatus, "availableReplicas"),
+        current=deployment is not None
+        and dstatus.get("observedGeneration", 0)
+        >= deployment.get("metadata", {}).get("generation", 0),
+        exists=deployment is not None,
+        previous=dep.status.conditions,
+        now=now,
+        generation=dep.metadata.generation or 0,
+    )
+
+
+def _ready(r: _Rollout) -> Condition:
+    """Ready: the warm pool is up (and at least one replica when any is wanted)."""
+    needed = max(r.min_replicas, 1 if r.desired > 0 else 0)
+    if r.desired == 0 and r.ready == 0:
+        return r.condition(
+            "Ready", True, "ScaledToZero", "no replicas wanted; requests spill or wait"
+        )
+    if r.ready >= needed:
+        message = f"{r.ready}/{r.desired} replicas ready (warm minimum {r.min_replicas})"
+        return r.condition("Ready", True, "WarmPoolReady", message)
+    message = f"{r.ready}/{r.desired} replicas ready, warm minimum is {r.min_replicas}"
+    return r.condition("Ready", False, "WarmPoolNotReady", message)
+
+
+def _progressing(r: _Rollout) -> Condition:
+    """Progressing: a rollout or a scale is under way."""
+    if not r.exists:
+        return r.condition("Progressing", True, "Creating", "creating the engine Deployment")
+    desired = r.desired
+    if r.current and r.updated >= desired and r.replicas <= desired and r.available >= desired:
+        return r.condition(
+            "Progressing", False, "Complete", f"{desired} replicas on the current spec"
+        )
+    if r.replicas > r.updated:
+        old = r.replicas - r.updated
+        reason, message = "RollingOut", f"{r.updated}/{desired} replicas on the new spec, {old} old"
+    elif r.replicas < desired or r.available < desired:
+        reason, message = "ScalingUp", f"{r.available}/{desired} replicas available"
+    elif r.replicas > desired:
+        reason, message = "ScalingDown", f"{r.replicas} replicas, scaling down to {desired}"
+    else:
+        reason, message = "Reconciling", "waiting for the engine Deployment to catch up"
+    return r.condition("Progressing", True, reason, message)
+
+
+def _degraded(r: _Rollout, observed: Observed) -> Condition:
+    """Degraded: something a person has to look at."""
+    stalled = _deployment_condition(observed.deployment or {}, "Progressing")
+    failure = _deployment_condition(observed.deployment or {}, "ReplicaFailure")
+    if observed.reconcile_error:
+        return r.condition("Degraded", True, "ReconcileError", observed.reconcile_error)
+    if stalled.get("reason") == "ProgressDeadlineExceeded":
+        return r.condition("Degraded", True, "ProgressDeadlineExceeded", stalled.get("message", ""))
+    if failure.get("status") == "True":
+        return r.condition("Degraded", True, "ReplicaFailure", failure.get("message", ""))
+    return r.condition("Degraded", False, "AsExpected", "")
+
+
+def _scaling_limited(r: _Rollout, dep: LLMDeployment) -> Condition:
+    """ScalingLimited: spec.replicas is outside the pool bounds and was clamped."""
+    limit = dep.spec.replicas_limit()
+    if limit is None:
+        return r.condition("ScalingLimited", False, "WithinBounds", "")
+    message = f"{limit}: running {r.desired}"
+    return r.condition("ScalingLimited", True, "ReplicasClamped", message)
+
+
 def compute_status(
     dep: LLMDeployment, observed: Observed, endpoint: str, now: str
 ) -> LLMDeploymentStatus:
     """The status the operator should write now (queueDepth is the autoscaler's and is kept)."""
-    spec = dep.spec
-    generation = dep.metadata.generation or 0
-    desired = spec.desired_replicas()
-    min_replicas = spec.pool.min_replicas
-    deployment = observed.deployment
-    dstatus: dict[str, Any] = (deployment or {}).get("status", {}) or {}
-    replicas = _int(dstatus, "replicas")
-    ready = _int(dstatus, "readyReplicas")
-    updated = _int(dstatus, "updatedReplicas")
-    available = _int(dstatus, "availableReplicas")
-    deployment_current = deployment is not None and (
-        (deployment.get("status", {}) or {}).get("observedGeneration", 0)
-        >= deployment.get("metadata", {}).get("generation", 0)
-    )
-    previous = dep.status.conditions
-
-    # Ready: the warm pool is up (and at least one replica when any is wanted).
-    needed = max(min_replicas, 1 if desired > 0 else 0)
-    if desired == 0 and ready == 0:
-        ready_cond = _set(
-            previous,
-            "Ready",
-            True,
-            "ScaledToZero",
-            "no replicas wanted; requests spill or wait",
-            now,
-            generation,
-        )
-    elif ready >= needed:
-        ready_cond = _set(
-            previous,
-            "Ready",
-            True,
-            "WarmPoolReady",
-            f"{ready}/{desired} replicas ready (warm minimum {min_replicas})",
-            now,
-            generation,
-        )
-    else:
-        ready_cond = _set(
-            previous,
-            "Ready",
-            False,
-            "WarmPoolNotReady",
-            f"{ready}/{desired} replicas ready, warm minimum is {min_replicas}",
-            now,
-            generation,
-        )
-
-    # Progressing: a rollout or a scale is under way.
-    if deployment is None:
-        progressing = _set(
-            previous,
-            "Progressing",
-            True,
-            "Creating",
-            "creating the engine Deployment",
-            now,
-            generation,
-        )
-    elif not deployment_current or updated < desired or replicas > desired or available < desired:
-        if replicas > updated:
-            reason, message = (
-                "RollingOut",
-                f"{updated}/{desired} replicas on the new spec, {replicas - updated} old",
-            )
-        elif replicas < desired or available < desired:
-            reason, message = "ScalingUp", f"{available}/{desired} replicas available"
-        elif replicas > desired:
-            reason, message = "ScalingDown", f"{replicas} replicas, scaling down to {desired}"
-        else:
-            reason, message = "Reconciling", "waiting for the engine Deployment to catch up"
-        progressing = _set(previous, "Progressing", True, reason, message, now, generation)
-    else:
-        progressing = _set(
-            previous,
-            "Progressing",
-            False,
-            "Complete",
-            f"{desired} replicas on the current spec",
-            now,
-            generation,
-        )
-
-    # Degraded: something a person has to look at.
-    stalled = _deployment_condition(deployment or {}, "Progressing")
-    failure = _deployment_condition(deployment or {}, "ReplicaFailure")
-    if observed.reconcile_error:
-        degraded = _set(
-            previous, "Degraded", True, "ReconcileError", observed.reconcile_error, now, generation
-        )
-    elif stalled.get("reason") == "ProgressDeadlineExceeded":
-        degraded = _set(
-            previous,
-            "Degraded",
-            True,
-            "ProgressDeadlineExceeded",
-            stalled.get("message", ""),
-            now,
-            generation,
-        )
-    elif failure.get("status") == "True":
-        degraded = _set(
-            previous,
-            "Degraded",
-            True,
-            "ReplicaFailure",
-            failure.get("message", ""),
-            now,
-            generation,
-        )
-    else:
-        degraded = _set(previous, "Degraded", False, "AsExpected", "", now, generation)
-
+    r = _rollout(dep, observed, now)
     return LLMDeploymentStatus(
-        observed_generation=generation,
-        replicas=replicas,
-        desired_replicas=desired,
-        ready_replicas=ready,
-        warm_replicas=min(ready, min_replicas),
+        observed_generation=r.generation,
+        replicas=r.replicas,
+        desired_replicas=r.desired,
+        ready_replicas=r.ready,
+        warm_replicas=min(r.ready, r.min_replicas),
         queue_depth=dep.status.queue_depth,
         endpoint=endpoint,
         selector=selector_string(dep),
-        conditions=[ready_cond, progressing, degraded],
+        conditions=[_ready(r), _progressing(r), _degraded(r, observed), _scaling_limited(r, dep)],
     )
 
 
@@ -206,7 +190,7 @@ def transition_events(old: LLMDeploymentStatus, new: LLMDeploymentStatus) -> lis
                 f"desired replicas {old.desired_replicas} -> {new.desired_replicas}",
             )
         )
-    for type_ in ("Ready", "Progressing", "Degraded"):
+    for type_ in ("Ready", "Progressing", "Degraded", "ScalingLimited"):
         before, after = old.condition(type_), new.condition(type_)
         if after is None or (
             before is not None and before.status == after.status and before.reason == after.reason
@@ -214,7 +198,7 @@ def transition_events(old: LLMDeploymentStatus, new: LLMDeploymentStatus) -> lis
             continue
         if before is None and after.status == "False" and type_ != "Ready":
             continue  # "not degraded" / "not progressing" on first sight is not news
-        warning = (type_ == "Degraded" and after.status == "True") or (
+        warning = (type_ in ("Degraded", "ScalingLimited") and after.status == "True") or (
             type_ == "Ready" and after.status == "False" and before is not None
         )
         events.append(

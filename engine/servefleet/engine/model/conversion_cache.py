@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from servefleet.engine.kernels.packed_weights import PackedWeight, packed_from_tensor
 from servefleet.engine.model.config import ModelConfig
-from servefleet.engine.tokenizer import Tokenizer
+from servefleet.text.tokenizer import Tokenizer
 
 # Bump whenever the conversion's output changes (names, un-permutation, tokenizer build,
 # packed weights).

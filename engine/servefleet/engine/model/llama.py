@@ -379,9 +379,6 @@ class LlamaForCausalLM(nn.Module):
         self.load_state_dict(converted, strict=True, assign=True)
         self._build_rope()
 
-    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self.load_weights(fuse_hf_weights(self.config, weights))
-
 
 def fuse_hf_weights(
     config: ModelConfig, weights: Mapping[str, torch.Tensor]

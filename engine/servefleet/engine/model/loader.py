@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from servefleet.engine.attention import PagedAttention
-from servefleet.engine.model.builtin import BUILTIN_MODELS, UnknownModelError, resolve_builtin
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.conversion_cache import (
     Checkpoint,
@@ -25,10 +24,12 @@ from servefleet.engine.model.llama import (
 )
 from servefleet.engine.model.safetensors_loader import (
     config_from_hf_folder,
-    read_json,
     read_safetensors_weights,
 )
-from servefleet.engine.tokenizer import Tokenizer
+from servefleet.text.builtin import BUILTIN_MODELS, UnknownModelError, resolve_builtin
+from servefleet.text.gguf_metadata import gguf_chat_template
+from servefleet.text.hf_folder import hf_chat_template
+from servefleet.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +119,11 @@ def _read_gguf(path: Path, cache_root: Path | None, use_cache: bool) -> Checkpoi
 
     reader = open_gguf(path)
     config = config_from_gguf(reader)
-    template_field = reader.fields.get("tokenizer.chat_template")
     checkpoint = Checkpoint(
         config=config,
         weights=fuse_hf_weights(config, read_gguf_weights(reader, config)),
         tokenizer=Tokenizer.from_gguf_fields(reader.fields),
-        chat_template=None if template_field is None else str(template_field.contents()),
+        chat_template=gguf_chat_template(reader.fields),
         name=path.stem,
         packed=fuse_packed_weights(config, read_gguf_block_quantized(reader, config)),
     )
@@ -145,18 +145,3 @@ def _read_hf_folder(folder: Path) -> Checkpoint:
         chat_template=hf_chat_template(folder),
         name=folder.name,
     )
-
-
-def hf_chat_template(folder: Path) -> str | None:
-    """The template from `chat_template.jinja` or `tokenizer_config.json` (default entry)."""
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    config_path = folder / "tokenizer_config.json"
-    if not config_path.is_file():
-        return None
-    template = read_json(config_path).get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None

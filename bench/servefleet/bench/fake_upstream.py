@@ -1,28 +1,23 @@
 """A small OpenAI-compatible server that stands in for a hosted API or an engine replica.
 
-Used by the tests (spill-over target, misbehaving replicas) and by the gateway benchmarks (an
-instant upstream, and a replica with a simulated prefix cache so affinity can be measured
-without a GPU). It answers `/v1/chat/completions` and `/v1/completions`, streaming or not, with
-`usage`, and can be told to be slow, to hang, to fail, or to drain.
+Benchmark tooling, also used by the tests: an instant upstream to measure the gateway's own
+overhead, a replica with a simulated prefix cache so affinity can be measured without a GPU,
+a spill-over target and misbehaving replicas. It answers `/v1/chat/completions` and
+`/v1/completions`, streaming or not, with `usage`, and can be told to be slow, to hang, to
+fail, or to drain.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
-import socket
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+from servefleet.gateway.asgi import Receive, Scope, Send, respond
 
 
 @dataclass
@@ -248,63 +243,15 @@ async def _send(
     content_type: bytes = b"application/json",
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await respond(send, status, body, headers=headers, content_type=content_type)
 
 
 async def _json(send: Send, status: int, obj: Any) -> None:
     await _send(send, status, json.dumps(obj).encode())
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: Any, port: int | None = None) -> Iterator[str]:
-    """Run an ASGI app with uvicorn on a background thread; yields its base URL."""
-    import uvicorn
-
-    port = port or free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        lifespan="on",
-        http="httptools",
-        loop="asyncio",
-        timeout_keep_alive=30,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def main(argv: list[str] | None = None) -> None:
-    """`python -m servefleet.gateway.fake_upstream --port P`: an instant upstream (benchmarks)."""
+    """`python -m servefleet.bench.fake_upstream --port P`: an instant upstream (benchmarks)."""
     import argparse
 
     import uvicorn

@@ -15,11 +15,9 @@ from collections.abc import Sequence
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from servefleet.text.token_types import TokenType
+
 SPACE = "\u2581"  # "▁"
-# llama.cpp token types (tokenizer.ggml.token_type)
-_UNKNOWN = 2
-_CONTROL = 3
-_USER_DEFINED = 4
 
 
 def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
@@ -48,7 +46,7 @@ def sentencepiece_bpe(
         raise ValueError(f"{len(tokens)} tokens but {len(scores)} scores")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     unknown = next(
-        (t for t, kind in zip(tokens, token_types, strict=False) if kind == _UNKNOWN), None
+        (t for t, kind in zip(tokens, token_types, strict=False) if kind == TokenType.UNKNOWN), None
     )
     backend = HFTokenizer(
         models.BPE(
@@ -72,14 +70,14 @@ def sentencepiece_bpe(
         [
             AddedToken(tok, normalized=False, special=True)
             for tok, kind in zip(tokens, kinds, strict=True)
-            if kind in (_CONTROL, _UNKNOWN)
+            if kind in (TokenType.CONTROL, TokenType.UNKNOWN)
         ]
     )
     backend.add_tokens(
         [
             AddedToken(tok, normalized=False, special=False)
             for tok, kind in zip(tokens, kinds, strict=True)
-            if kind == _USER_DEFINED
+            if kind == TokenType.USER_DEFINED
         ]
     )
     return backend

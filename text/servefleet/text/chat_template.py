@@ -98,5 +98,5 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **extra},
             )
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # templates are checkpoint code: any failure is theirs
             raise ChatTemplateError(f"chat template failed: {exc}") from exc

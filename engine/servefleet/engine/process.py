@@ -20,9 +20,9 @@ from types import FrameType
 import torch
 import uvicorn
 
+from servefleet.api.quantity import parse_memory_size
 from servefleet.engine.attention import PagedAttention
-from servefleet.engine.chat_template import ChatTemplate
-from servefleet.engine.config import EngineConfig, parse_memory
+from servefleet.engine.config import EngineConfig
 from servefleet.engine.kernels import select_decode_kernel, select_fused_ops, select_matmul
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
@@ -35,6 +35,7 @@ from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
 from servefleet.engine.sequence import Sequence
 from servefleet.engine.server import ServingState, build_app
+from servefleet.text.chat_template import ChatTemplate
 
 log = logging.getLogger("servefleet.engine")
 
@@ -78,14 +79,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def kv_cache_bytes(setting: str, device: torch.device) -> int:
-    value = parse_memory(setting)
-    if value > 1:
-        return int(value)
+    size = parse_memory_size(setting)
+    if size.bytes is not None:
+        return size.bytes
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = _mem_available()
-    return int(free * value)
+    return size.resolve(free)
 
 
 def _mem_available() -> int:

@@ -1,0 +1,83 @@
+"""Names that pass between components: labels, annotation keys, mounts, route keys, managers.
+
+The operator writes these and the gateway, the autoscaler and the tests read them; a name
+spelled in two places drifts, so each lives here once and everyone imports it.
+"""
+
+from __future__ import annotations
+
+from servefleet.api.llmdeployment import API_GROUP
+
+# --------------------------------------------------------------------------- our labels
+
+LABEL_DEPLOYMENT = f"{API_GROUP}/llmdeployment"
+"""On every child object: the name of the LLMDeployment that owns it."""
+LABEL_COMPONENT = f"{API_GROUP}/component"
+"""What a child object is: COMPONENT_ENGINE or COMPONENT_GATEWAY_ROUTE."""
+LABEL_ENGINE = f"{API_GROUP}/engine"
+"""On engine pods: the engine kind (servefleet, vllm, sglang)."""
+LABEL_GATEWAY_ROUTE = f"{API_GROUP}/gateway-route"
+"""'true' on the route ConfigMaps the gateway watches."""
+
+COMPONENT_ENGINE = "engine"
+COMPONENT_GATEWAY_ROUTE = "gateway-route"
+
+# --------------------------------------------------------------------------- Kubernetes' labels
+
+LABEL_APP_NAME = "app.kubernetes.io/name"
+LABEL_APP_INSTANCE = "app.kubernetes.io/instance"
+LABEL_APP_PART_OF = "app.kubernetes.io/part-of"
+LABEL_APP_MANAGED_BY = "app.kubernetes.io/managed-by"
+PART_OF = "servefleet"
+ENGINE_APP_NAME = "servefleet-engine"
+
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+"""Set by Kubernetes on an EndpointSlice: the Service it belongs to."""
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+"""The ReplicaSet controller removes the pod with the lowest cost first on scale-down."""
+
+# --------------------------------------------------------------------------- field managers
+
+FIELD_MANAGER_OPERATOR = "servefleet-operator"
+"""Server-side apply owner of the operator's children (also their managed-by label)."""
+FIELD_MANAGER_AUTOSCALER = "servefleet-autoscaler"
+"""Owner of the autoscaler's writes (scale, pod annotations) and source of its Events."""
+
+# --------------------------------------------------------------------------- route ConfigMaps
+
+ROUTE_LABEL_SELECTOR = f"{LABEL_GATEWAY_ROUTE}=true"
+ROUTE_GATEWAY_KEY = "gateway.yaml"
+"""ConfigMap key of the deployment's GatewayConfig fragment."""
+"""ConfigMap key of the engine's port, metrics path and metric names."""
+
+# --------------------------------------------------------------------------- pods
+
+ENGINE_CONTAINER = "engine"
+ENGINE_PORT_NAME = "http"
+"""Named container port of the engine: probes, the Service and the autoscaler use it."""
+MODEL_VOLUME = "model"
+MODEL_MOUNT = "/models"
+SHM_VOLUME = "dshm"
+SHM_MOUNT = "/dev/shm"
+SECRETS_MOUNT = "/etc/servefleet/secrets"
+"""Where tenant and spill-over Secret keys are referenced: <this>/<namespace>/<secret>/<key>."""
+
+
+def engine_object_name(deployment: str) -> str:
+    """Name of the engine Deployment, Service, PodDisruptionBudget and ServiceMonitor."""
+    return f"{deployment}-engine"
+
+
+def route_object_name(deployment: str) -> str:
+    """Name of the deployment's route ConfigMap."""
+    return f"{deployment}-gateway-route"
+
+
+def engine_selector(deployment: str) -> dict[str, str]:
+    """Labels selecting one deployment's engine pods."""
+    return {LABEL_DEPLOYMENT: deployment, LABEL_COMPONENT: COMPONENT_ENGINE}
+
+
+def label_selector(labels: dict[str, str]) -> str:
+    """A label selector as text (sorted, so it is stable), as in status.selector."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

@@ -1,0 +1,167 @@
+"""`spec.engine`: the inference engine each replica runs, and its container."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from servefleet.api.api_model import QUANTITY, ApiModel, Quantity, SecretKeyRef, cel_rule
+from servefleet.api.quantity import MemorySize, parse_memory_size
+
+EngineKind = Literal["servefleet", "vllm", "sglang"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class EnvVar(ApiModel):
+    """An environment variable for the engine container."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "!(has(self.value) && has(self.secretKeyRef))",
+                    "env: set value or secretKeyRef, not both",
+                )
+            ]
+        }
+    )
+
+    name: str = Field(description="Variable name.", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    value: str | None = Field(default=None, description="Literal value.")
+    secret_key_ref: SecretKeyRef | None = Field(
+        default=None, description="Take the value from a Secret key."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.secret_key_ref is not None:
+            raise ValueError("env: set value or secretKeyRef, not both")
+        return self
+
+
+class ResourceRequirements(ApiModel):
+    """Container resources, as in a Pod; use 'nvidia.com/gpu' for GPUs."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Minimum resources, e.g. {cpu: '2', memory: 8Gi}."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Maximum resources, e.g. {'nvidia.com/gpu': 1}."
+    )
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _quantities(cls, value: dict[str, int | str]) -> dict[str, int | str]:
+        for name, qty in value.items():
+            if isinstance(qty, str) and not re.match(QUANTITY, qty):
+                raise ValueError(f"resource {name!r}: {qty!r} is not a Kubernetes quantity")
+        return value
+
+    def gpus(self) -> int:
+        """GPUs asked for (limits win, as for extended resources requests must equal limits)."""
+        raw = self.limits.get("nvidia.com/gpu", self.requests.get("nvidia.com/gpu", 0))
+        return int(raw)
+
+
+class EngineSpec(ApiModel):
+    """The inference engine running each replica."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(
+                    "self.kind != 'servefleet' || self.tensorParallelSize == 1",
+                    "engine.tensorParallelSize > 1 needs engine.kind vllm or sglang "
+                    "(servefleet runs one GPU per replica)",
+                ),
+                cel_rule(
+                    "self.kind != 'servefleet' || self.dtype != 'float16'",
+                    "engine.kind servefleet supports dtype auto, float32 or bfloat16",
+                ),
+            ]
+        }
+    )
+
+    kind: EngineKind = Field(
+        default="servefleet", description="Engine: servefleet, vllm or sglang."
+    )
+    image: str | None = Field(
+        default=None,
+        description="Container image; empty means the adapter's default for this kind.",
+        min_length=1,
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        max_length=200,
+        description="Extra command-line flags appended to the engine's.",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=200, description="Extra environment variables."
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Container resources ('nvidia.com/gpu' for GPUs).",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="GPUs one replica shards the model over (vllm/sglang only).",
+    )
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    kv_cache_memory: int | str | None = Field(
+        default=None,
+        description="KV-cache size: bytes (int), a fraction of free memory ('0.9'), or a size "
+        "('4Gi', '512MB').",
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most sequences one replica batches at once (engine default if unset).",
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="Token budget of one engine step (engine default if unset)."
+    )
+    prefix_caching: bool = Field(
+        default=True, description="Reuse KV blocks of shared prompt prefixes."
+    )
+    dtype: Dtype = Field(
+        default="auto", description="Compute dtype of the weights and activations."
+    )
+    startup_timeout_seconds: int = Field(
+        default=900,
+        ge=10,
+        description="Longest a replica may take to load and warm the model before it is restarted.",
+    )
+    drain_timeout_seconds: int = Field(
+        default=30,
+        ge=0,
+        description="How long a stopping replica finishes in-flight requests (SIGTERM drain).",
+    )
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _kv_cache_memory(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            try:
+                parse_memory_size(value)
+            except ValueError as exc:
+                raise ValueError(f"engine.kvCacheMemory: {exc}") from None
+        return value
+
+    def kv_cache_size(self) -> MemorySize | None:
+        """kvCacheMemory read with the engine's own grammar (None: the engine's default)."""
+        return None if self.kv_cache_memory is None else parse_memory_size(self.kv_cache_memory)
+
+    @model_validator(mode="after")
+    def _engine_rules(self) -> EngineSpec:
+        if self.kind == "servefleet" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "engine.tensorParallelSize > 1 needs engine.kind vllm or sglang "
+                "(servefleet runs one GPU per replica)"
+            )
+        if self.kind == "servefleet" and self.dtype == "float16":
+            raise ValueError("engine.kind servefleet supports dtype auto, float32 or bfloat16")
+        return self

@@ -1,0 +1,200 @@
+"""Engine adapters: what differs between servefleet, vLLM and SGLang, as one table.
+
+The operator (pods), local mode (processes) and the autoscaler (scrapes) all read this
+table, so an engine runs with the same flags everywhere and is read by the same metric
+names: image, command, how each spec knob is spelled as a flag, port, probe paths and the
+Prometheus names of queued / running requests and KV-cache use. Beyond one GPU, vLLM and
+SGLang do the tensor parallelism; we only pass the size through.
+
+Where the weights are differs per environment (a built-in name, a mounted volume, a local
+folder), so callers pass the model path; where the engine listens is passed too (pods
+listen on every interface at the adapter's port, local processes on a port of their own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from servefleet.api.llmdeployment import EngineKind, LLMDeploymentSpec
+
+LISTEN_ALL = "0.0.0.0"
+"""The host a pod's engine binds: every interface, as probes and the Service reach it."""
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Prometheus names the autoscaler and dashboards read from a replica."""
+
+    requests_waiting: str
+    requests_running: str
+    kv_cache_usage: str
+    kv_cache_is_percent: bool = False
+    """True when the engine reports KV-cache use as 0..100 instead of 0..1."""
+
+
+@dataclass(frozen=True)
+class EngineListen:
+    """Where one engine process serves: passed in, since pods and local processes differ."""
+
+    host: str
+    port: int
+
+
+ArgsBuilder = Callable[[LLMDeploymentSpec, str, EngineListen], list[str]]
+
+
+@dataclass(frozen=True)
+class EngineAdapter:
+    """How to run and read one engine kind."""
+
+    kind: EngineKind
+    default_image: str | None  # None: the operator's own image (servefleet)
+    command: tuple[str, ...]
+    port: int
+    ready_path: str
+    live_path: str
+    metrics_path: str
+    metrics: MetricNames
+    build_args: ArgsBuilder
+    needs_shared_memory: bool
+
+    def args(self, spec: LLMDeploymentSpec, model_path: str, listen: EngineListen) -> list[str]:
+        """Every engine flag: ours from the spec, then the user's extra args (which win)."""
+        return [*self.build_args(spec, model_path, listen), *spec.engine.args]
+
+    def pod_listen(self) -> EngineListen:
+        """Where the engine listens inside a pod."""
+        return EngineListen(host=LISTEN_ALL, port=self.port)
+
+
+def _common(flag: str, spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
+    """Model, served name, host and port: every engine spells these alike but `flag`."""
+    served = spec.model.name
+    return [
+        flag,
+        model,
+        "--served-model-name",
+        served,
+        "--host",
+        listen.host,
+        "--port",
+        str(listen.port),
+    ]
+
+
+def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
+    engine, concurrency = spec.engine, spec.pool.per_replica_concurrency
+    flags = _common("--model", spec, model, listen)
+    flags += ["--block-size", str(engine.block_size), "--dtype", engine.dtype]
+    flags += ["--drain-timeout", str(engine.drain_timeout_seconds)]
+    if (kv := engine.kv_cache_size()) is not None:
+        flags += ["--kv-cache-memory", kv.flag_value()]
+    # The gateway sends a replica at most perReplicaConcurrency requests at once (it holds
+    # the real queue), so the engine batches that many and queues no more than that.
+    flags += ["--max-num-seqs", str(engine.max_num_seqs or concurrency)]
+    flags += ["--max-queue-depth", str(concurrency)]
+    if engine.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if not engine.prefix_caching:
+        flags.append("--no-prefix-caching")
+    return flags
+
+
+def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
+    engine = spec.engine
+    flags = _common("--model", spec, model, listen)
+    flags += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    flags += ["--block-size", str(engine.block_size), "--dtype", engine.dtype]
+    kv = engine.kv_cache_size()
+    if kv is not None and kv.fraction is not None:
+        flags += ["--gpu-memory-utilization", str(kv.fraction)]
+    elif kv is not None:
+        flags += ["--kv-cache-memory", str(kv.bytes)]
+    if engine.max_num_seqs is not None:
+        flags += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    flags.append(
+        "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
+    )
+    return flags
+
+
+def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
+    engine = spec.engine
+    flags = _common("--model-path", spec, model, listen)
+    flags += ["--tp-size", str(engine.tensor_parallel_size)]
+    flags += ["--page-size", str(engine.block_size), "--dtype", engine.dtype, "--enable-metrics"]
+    kv = engine.kv_cache_size()
+    if kv is not None and kv.fraction is not None:
+        flags += ["--mem-fraction-static", str(kv.fraction)]
+    if engine.max_num_seqs is not None:
+        flags += ["--max-running-requests", str(engine.max_num_seqs)]
+    if engine.max_num_batched_tokens is not None:
+        flags += ["--chunked-prefill-size", str(engine.max_num_batched_tokens)]
+    if not engine.prefix_caching:
+        flags.append("--disable-radix-cache")
+    return flags
+
+
+# Our engine exports vLLM's names on purpose: one row for routers and autoscalers.
+_VLLM_METRICS = MetricNames(
+    requests_waiting="vllm:num_requests_waiting",
+    requests_running="vllm:num_requests_running",
+    # vLLM V1's name (gpu_cache_usage_perc was the V0 one, removed in V1).
+    kv_cache_usage="vllm:kv_cache_usage_perc",
+)
+
+ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
+    "servefleet": EngineAdapter(
+        kind="servefleet",
+        default_image=None,
+        command=("servefleet", "engine"),
+        port=8000,
+        ready_path="/ready",
+        live_path="/health",
+        metrics_path="/metrics",
+        metrics=_VLLM_METRICS,
+        build_args=_servefleet_args,
+        needs_shared_memory=False,
+    ),
+    "vllm": EngineAdapter(
+        kind="vllm",
+        default_image="vllm/vllm-openai:v0.10.1.1",
+        command=("python3", "-m", "vllm.entrypoints.openai.api_server"),
+        port=8000,
+        # vLLM binds its port only after the model is loaded, so /health means warm.
+        ready_path="/health",
+        live_path="/health",
+        metrics_path="/metrics",
+        metrics=_VLLM_METRICS,
+        build_args=_vllm_args,
+        needs_shared_memory=True,
+    ),
+    "sglang": EngineAdapter(
+        kind="sglang",
+        default_image="lmsysorg/sglang:v0.5.2-cu126",
+        command=("python3", "-m", "sglang.launch_server"),
+        port=30000,
+        # SGLang's /health_generate runs a real decode step: ready only when warm.
+        ready_path="/health_generate",
+        live_path="/health",
+        metrics_path="/metrics",
+        metrics=MetricNames(
+            requests_waiting="sglang:num_queue_reqs",
+            requests_running="sglang:num_running_reqs",
+            kv_cache_usage="sglang:token_usage",
+        ),
+        build_args=_sglang_args,
+        needs_shared_memory=True,
+    ),
+}
+
+
+def engine_adapter(kind: str) -> EngineAdapter:
+    """The adapter of an engine kind; ValueError names the known kinds."""
+    adapter = ENGINE_ADAPTERS.get(kind)
+    if adapter is None:
+        raise ValueError(f"unknown engine kind {kind!r}; known: {sorted(ENGINE_ADAPTERS)}")
+    return adapter

@@ -1,0 +1,43 @@
+"""One completion request on its way through the gateway, from parse to settle.
+
+The handler fills in what the request asks for; forwarding and relay fill in what it got
+(usage, events, first byte), which is what its reservation is settled with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from servefleet.gateway.asgi import Headers
+from servefleet.gateway.proxy import Usage
+
+if TYPE_CHECKING:
+    from servefleet.gateway.route_table import TenantRoute
+
+
+@dataclass(slots=True)
+class Call:
+    route: TenantRoute
+    path: str
+    raw: bytes
+    parsed: dict[str, Any]
+    stream: bool
+    wants_usage: bool
+    prompt_tokens: int
+    tokens: int  # prompt + completion budget: what was reserved and what the pool carries
+    affinity_key: int | None
+    started: float
+    rl_headers: Headers
+    used: Usage | None = None
+    events: int = 0
+    first_byte: bool = False
+
+    def used_tokens(self, reserved: int) -> int:
+        """Tokens to settle the reservation with."""
+        if self.used is not None:
+            return self.used.prompt_tokens + self.used.completion_tokens
+        if not self.first_byte:
+            return 0  # nothing was served: give everything back
+        # A stream that broke before its usage chunk: prompt plus one token per event.
+        return min(reserved, self.prompt_tokens + self.events)

@@ -1,0 +1,155 @@
+"""Send a request on: to the replica its lease names, or to the hosted API.
+
+A replica that cannot be reached, times out or fails (5xx) before a byte was relayed is
+ejected and the request moved once to another replica (`pool.reroute`); a 503 means draining,
+not failure, so the replica is only taken out of rotation. Everything after the status line is
+the relay's job.
+"""
+
+from __future__ import annotations
+
+from servefleet.gateway.asgi import JSON, Receive, Send
+from servefleet.gateway.call import Call
+from servefleet.gateway.errors import GatewayError
+from servefleet.gateway.limit_headers import retry_after
+from servefleet.gateway.metrics import GatewayMetrics
+from servefleet.gateway.pool import DeploymentPool, Lease
+from servefleet.gateway.proxy import prepare_body
+from servefleet.gateway.relay import Relay
+from servefleet.gateway.routing import Replica
+from servefleet.gateway.upstream import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+
+JSON_HEADERS = [(b"content-type", JSON)]
+
+
+class Forwarder:
+    def __init__(self, upstream: UpstreamPool, metrics: GatewayMetrics, relay: Relay) -> None:
+        self._upstream = upstream
+        self._metrics = metrics
+        self._relay = relay
+
+    async def to_pool(self, call: Call, lease: Lease, send: Send, receive: Receive) -> None:
+        """Relay the replica's answer; raises GatewayError when no replica could answer."""
+        pool = call.route.pool
+        body = prepare_body(
+            call.raw, call.parsed, stream=call.stream, client_wants_usage=call.wants_usage
+        )
+        retried = False
+        while True:
+            response, failure = await self._attempt(pool, lease.replica, call.path, body)
+            if failure is None:
+                break
+            if failure.status != 503:
+                pool.eject(lease.replica)
+                self._metrics.ejections.labels(pool.model).inc()
+            moved = None if retried else pool.reroute(lease)
+            if moved is None:
+                pool.release(lease, ok=False)
+                call.route.metrics.outcome[
+                    "503" if failure.status == 503 else "upstream_error"
+                ].inc()
+                failure.headers.update({k.decode(): v.decode() for k, v in call.rl_headers})
+                raise failure
+            retried = True
+            lease = moved
+            self._metrics.upstream_retries.labels(pool.model).inc()
+        assert response is not None
+        ok = False
+        try:
+            ok = await self._relay.relay(call, response, send, receive, spill=False)
+        finally:
+            pool.release(lease, ok=ok)
+
+    async def _attempt(
+        self, pool: DeploymentPool, replica: Replica, path: str, body: bytes
+    ) -> tuple[UpstreamResponse | None, GatewayError | None]:
+        """The replica's response, or why it gave none (a 5xx response is closed here)."""
+        config = pool.config
+        try:
+            response = await self._upstream.request(
+                "POST",
+                replica.endpoint + path,
+                body,
+                JSON_HEADERS,
+                connect_timeout=config.connect_timeout_seconds,
+                read_timeout=config.upstream_timeout_seconds,
+            )
+        except UpstreamTimeout:
+            return None, GatewayError(
+                504, "The model replica timed out.", type="upstream_error", code="timeout"
+            )
+        except UpstreamError as exc:
+            return None, GatewayError(
+                502,
+                f"The model replica could not be reached ({exc}).",
+                type="upstream_error",
+                code="upstream_unreachable",
+            )
+        if response.status < 500:
+            return response, None
+        response.close()
+        if response.status == 503:
+            pool.mark_draining(replica)
+            return None, GatewayError(
+                503,
+                "The model replica is draining.",
+                type="server_overloaded",
+                code="overloaded",
+                headers={"retry-after": retry_after(pool.cold_start.value)},
+            )
+        return None, GatewayError(
+            502,
+            f"The model replica failed with status {response.status}.",
+            type="upstream_error",
+            code="upstream_error",
+        )
+
+    async def to_spill(self, call: Call, send: Send, receive: Receive) -> None:
+        """Relay the hosted API's answer; its budget was taken by the pool."""
+        target = call.route.spill
+        assert target is not None
+        body = prepare_body(
+            call.raw,
+            call.parsed,
+            stream=call.stream,
+            client_wants_usage=call.wants_usage,
+            model=target.model,
+        )
+        url = target.base_url + call.path.removeprefix("/v1")
+        rl = {k.decode(): v.decode() for k, v in call.rl_headers}
+        try:
+            response = await self._upstream.request(
+                "POST",
+                url,
+                body,
+                [(b"content-type", JSON), (b"authorization", target.authorization.encode())],
+                connect_timeout=min(target.timeout_s, 10.0),
+                read_timeout=target.timeout_s,
+            )
+        except UpstreamError as exc:
+            call.route.metrics.outcome["upstream_error"].inc()
+            raise _spill_error(exc, rl) from None
+        await self._relay.relay(call, response, send, receive, spill=True)
+
+
+def _spill_error(exc: UpstreamError, headers: dict[str, str]) -> GatewayError:
+    if isinstance(exc, UpstreamTimeout):
+        return GatewayError(
+            504,
+            "The spill-over API timed out.",
+            type="upstream_error",
+            code="timeout",
+            headers=headers,
+        )
+    return GatewayError(
+        502,
+        f"The spill-over API could not be reached ({exc}).",
+        type="upstream_error",
+        code="upstream_unreachable",
+        headers=headers,
+    )

@@ -1,0 +1,65 @@
+"""What a pool learns from its own traffic: request duration, cold start, recent latencies.
+
+Admission predicts waits from these, and the autoscaler reads them through the pool's stats,
+so they are measured where the requests pass rather than configured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Ewma:
+    value: float
+    alpha: float = 0.2
+    samples: int = 0
+
+    def update(self, sample: float) -> None:
+        # The first real measurement replaces the configured prior outright.
+        self.value = (
+            sample if self.samples == 0 else self.value + self.alpha * (sample - self.value)
+        )
+        self.samples += 1
+
+
+class LatencyWindow:
+    """Recent latencies (queue wait, TTFT) for a percentile the autoscaler can act on.
+
+    A time window, not a histogram since start: the autoscaler needs what users see now.
+    """
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 4096) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, now: float, seconds: float) -> None:
+        self._samples.append((now, seconds))
+
+    def percentile(self, now: float, q: float) -> float | None:
+        """The q-quantile (nearest rank) of the samples in the window; None without any."""
+        samples = self._samples
+        while samples and samples[0][0] < now - self.window_s:
+            samples.popleft()
+        if not samples:
+            return None
+        ordered = sorted(v for _, v in samples)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class RateWindow:
+    """Events per second over the last window (completions)."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def add(self, now: float) -> None:
+        self._times.append(now)
+
+    def per_second(self, now: float) -> float:
+        while self._times and self._times[0] < now - self.window_s:
+            self._times.popleft()
+        return len(self._times) / self.window_s

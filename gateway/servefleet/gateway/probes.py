@@ -1,0 +1,69 @@
+"""Replica readiness: every replica's ready path (its engine adapter's), asked once an interval.
+
+A 200 makes a starting (or draining) replica ready; anything else marks a ready one draining.
+An ejected replica is left alone until its back-off ends: the trial request decides then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+import httpx
+
+from servefleet.gateway.pool import DeploymentPool
+from servefleet.gateway.routing import Replica
+
+log = logging.getLogger("servefleet.gateway.probes")
+
+PROBE_TIMEOUT_S = 2.0
+
+
+class ReplicaProber:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._client: httpx.AsyncClient | None = None
+
+    def open(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def run(self, pools: Callable[[], Iterable[DeploymentPool]], interval_s: float) -> None:
+        """Probe the pools current at each round (they change on reconfigure) until cancelled."""
+        while True:
+            try:
+                await self.probe_once(pools())
+            except Exception:  # a probe round must never kill the loop
+                log.exception("replica probing failed")
+            await asyncio.sleep(interval_s)
+
+    async def probe_once(self, pools: Iterable[DeploymentPool]) -> None:
+        client = self._client
+        if client is None:
+            return
+        now = self._clock()
+        jobs = [
+            self._probe(client, pool, replica)
+            for pool in pools
+            for replica in list(pool.replicas.replicas.values())
+            if replica.ejected_until <= now
+        ]
+        if jobs:
+            await asyncio.gather(*jobs)
+
+    @staticmethod
+    async def _probe(client: httpx.AsyncClient, pool: DeploymentPool, replica: Replica) -> None:
+        try:
+            resp = await client.get(
+                replica.endpoint + pool.config.ready_path, timeout=PROBE_TIMEOUT_S
+            )
+            ready = resp.status_code == 200
+        except httpx.HTTPError:
+            ready = False
+        pool.probe_result(replica, ready)

@@ -1,0 +1,151 @@
+"""Send an upstream response (engine or hosted API) on to the client.
+
+A whole body goes as it came, unless it is an error the tenant should see in OpenAI's shape; a
+stream is relayed event by event (`proxy.SseRelay`), and a client that leaves closes the
+upstream, which aborts the generation. What was relayed (usage, events, first byte) is noted on
+the `Call` for settling, and the request's outcome and TTFT are counted here, where they happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from servefleet.gateway.asgi import JSON, Headers, Receive, Send, respond
+from servefleet.gateway.call import Call
+from servefleet.gateway.errors import error_body, sse_error_event
+from servefleet.gateway.proxy import SseRelay, upstream_error_message, usage_from_json
+from servefleet.gateway.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+
+ROUTE_POOL = b"pool"
+ROUTE_SPILL = b"spillover"
+
+
+class Relay:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+
+    async def relay(
+        self, call: Call, response: UpstreamResponse, send: Send, receive: Receive, *, spill: bool
+    ) -> bool:
+        """Send the upstream response to the client; True when it completed."""
+        headers = [
+            (b"content-type", response.header(b"content-type") or JSON),
+            (b"x-servefleet-route", ROUTE_SPILL if spill else ROUTE_POOL),
+            *call.rl_headers,
+        ]
+        if response.status != 200 or not call.stream:
+            return await self._whole(call, response, send, headers, spill=spill)
+        return await self._stream(call, response, send, receive, headers, spill=spill)
+
+    async def _whole(
+        self, call: Call, response: UpstreamResponse, send: Send, headers: Headers, *, spill: bool
+    ) -> bool:
+        m = call.route.metrics
+        status = response.status
+        try:
+            body = await response.read()
+        except UpstreamError as exc:
+            response.close()
+            m.outcome["upstream_error"].inc()
+            code = 504 if isinstance(exc, UpstreamTimeout) else 502
+            await respond(
+                send,
+                code,
+                error_body("The upstream failed while answering.", "upstream_error", "timeout"),
+                headers=headers[1:],
+            )
+            return False
+        response.close()
+        if status >= 400:
+            return await _error(call, status, body, send, headers, spill=spill)
+        call.used = usage_from_json(body)
+        call.first_byte = True
+        self._observe_ttft(call, spill)
+        await respond(send, 200, body, headers=headers[1:], content_type=headers[0][1])
+        _count_ok(call, spill)
+        return True
+
+    async def _stream(
+        self,
+        call: Call,
+        response: UpstreamResponse,
+        send: Send,
+        receive: Receive,
+        headers: Headers,
+        *,
+        spill: bool,
+    ) -> bool:
+        headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        relay = SseRelay(strip_usage=not call.wants_usage)
+        gone = asyncio.ensure_future(receive())
+        completed = False
+        try:
+            async for chunk in response.iter_chunks():
+                out = relay.feed(chunk)
+                if out:
+                    if not call.first_byte:
+                        call.first_byte = True
+                        self._observe_ttft(call, spill)
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if gone.done():
+                    break  # the client left: closing the upstream aborts the generation
+            else:
+                completed = relay.done
+        except UpstreamError as exc:
+            what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed"
+            event = sse_error_event(f"The upstream {what} mid-stream.", "upstream_error")
+            await send(
+                {"type": "http.response.body", "body": relay.flush() + event, "more_body": True}
+            )
+        finally:
+            gone.cancel()
+            response.close()
+        await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
+        call.used = relay.usage
+        call.events = relay.events
+        if completed:
+            _count_ok(call, spill)
+        else:
+            call.route.metrics.outcome["upstream_error"].inc()
+        return completed
+
+    def _observe_ttft(self, call: Call, spill: bool) -> None:
+        ttft = self._clock() - call.started
+        call.route.metrics.ttft.observe(ttft)
+        if not spill:  # the pool's own TTFT is what its autoscaler acts on
+            call.route.pool.record_ttft(ttft)
+
+
+async def _error(
+    call: Call, status: int, body: bytes, send: Send, headers: Headers, *, spill: bool
+) -> bool:
+    """An upstream error answer; True when it is the client's own error (4xx), not a failure."""
+    m = call.route.metrics
+    if spill and status not in (400, 404, 422):
+        # Our key, their quota, their outage: not the tenant's error to see as-is.
+        m.outcome["upstream_error"].inc()
+        message = "The spill-over API failed: " + upstream_error_message(status, body)
+        await respond(
+            send,
+            502,
+            error_body(message, "upstream_error", "upstream_error"),
+            headers=headers[1:],
+        )
+        return False
+    content_type = headers[0][1]
+    if b'"error"' not in body:
+        body = error_body(upstream_error_message(status, body), "upstream_error")
+        content_type = JSON
+    m.outcome["4xx" if status < 500 else "upstream_error"].inc()
+    await respond(send, status, body, headers=headers[1:], content_type=content_type)
+    return status < 500
+
+
+def _count_ok(call: Call, spill: bool) -> None:
+    m = call.route.metrics
+    m.outcome["spilled" if spill else "ok"].inc()
+    if call.used is not None:
+        m.prompt_tokens.inc(call.used.prompt_tokens)
+        m.completion_tokens.inc(call.used.completion_tokens)
