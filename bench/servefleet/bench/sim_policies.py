@@ -113,13 +113,12 @@ class HpaPolicy:
     stabilisation_s: float
     tolerance: float = 0.1
     name: str = "hpa"
-    behaviour: HpaBehaviour | None = None
+    behaviour: HpaBehaviour = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.behaviour = HpaBehaviour(self.min_replicas, self.max_replicas, self.stabilisation_s)
 
     def tick(self, view: ClusterView) -> ScaleAction:
-        if self.behaviour is None:
-            self.behaviour = HpaBehaviour(
-                self.min_replicas, self.max_replicas, self.stabilisation_s
-            )
         ready, starting = _live(view)
         current = len(ready) + len(starting)
         raw = self._raw_recommendation(view, ready, starting, current)
@@ -153,13 +152,12 @@ class KedaPolicy:
     stabilisation_s: float
     tolerance: float = 0.1
     name: str = "keda"
-    behaviour: HpaBehaviour | None = None
+    behaviour: HpaBehaviour = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.behaviour = HpaBehaviour(self.min_replicas, self.max_replicas, self.stabilisation_s)
 
     def tick(self, view: ClusterView) -> ScaleAction:
-        if self.behaviour is None:
-            self.behaviour = HpaBehaviour(
-                self.min_replicas, self.max_replicas, self.stabilisation_s
-            )
         ready, starting = _live(view)
         current = len(ready) + len(starting)
         metric = view.queued + sum(r.in_flight for r in view.replicas)

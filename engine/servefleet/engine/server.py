@@ -12,13 +12,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,10 +28,8 @@ from servefleet.engine.protocol import (
     OpenAIError,
     _SamplingFields,
     new_id,
-    now,
-    usage,
 )
-from servefleet.engine.sampler import TokenLogprobs
+from servefleet.engine.responses import chat_response, completion_response, stream_response
 from servefleet.text.chat_template import ChatTemplate
 from servefleet.text.messages import template_messages
 from servefleet.text.tokenizer import Tokenizer
@@ -149,9 +146,9 @@ def build_app(state: ServingState) -> FastAPI:
             body, prompt_ids, max_tokens, body.num_logprobs, "chatcmpl"
         )
         if body.stream:
-            return _stream(state, engine_request, body, chat=True)
+            return stream_response(state, engine_request, body, chat=True)
         outputs = await _collect(request, state, engine_request)
-        return JSONResponse(_chat_response(state, engine_request, outputs, body))
+        return JSONResponse(chat_response(state, engine_request, outputs, body))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -177,9 +174,9 @@ def build_app(state: ServingState) -> FastAPI:
         max_tokens = _check_lengths(state, prompt_ids, requested, "prompt")
         engine_request = _engine_request(body, prompt_ids, max_tokens, body.logprobs, "cmpl")
         if body.stream:
-            return _stream(state, engine_request, body, chat=False)
+            return stream_response(state, engine_request, body, chat=False)
         outputs = await _collect(request, state, engine_request)
-        return JSONResponse(_completion_response(state, engine_request, outputs, body))
+        return JSONResponse(completion_response(state, engine_request, outputs, body))
 
     return app
 
@@ -313,195 +310,3 @@ async def _collect(
     except asyncio.CancelledError as exc:
         raise OpenAIError(499, "client disconnected", type="client_closed") from exc
     return steps
-
-
-def _merge(steps: list[list[SequenceOutput]], n: int) -> list[dict[str, Any]]:
-    choices: list[dict[str, Any]] = [
-        {"text": [], "token_ids": [], "logprobs": [], "finish_reason": None, "output": 0}
-        for _ in range(n)
-    ]
-    prompt_tokens = cached = 0
-    for outs in steps:
-        for o in outs:
-            c = choices[o.index]
-            c["text"].append(o.text)
-            c["token_ids"].extend(o.token_ids)
-            c["logprobs"].extend(o.logprobs)
-            c["output"] = o.num_output_tokens
-            if o.finished:
-                c["finish_reason"] = o.finish_reason
-            prompt_tokens, cached = o.num_prompt_tokens, o.num_cached_tokens
-    for c in choices:
-        c["text"] = "".join(c["text"])
-        c["prompt_tokens"], c["cached"] = prompt_tokens, cached
-    return choices
-
-
-def _chat_logprobs(tokenizer: Tokenizer, items: list[TokenLogprobs]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {
-        "content": [
-            {**entry(i.token_id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
-            for i in items
-        ]
-    }
-
-
-def _completion_logprobs(tokenizer: Tokenizer, items: list[TokenLogprobs]) -> dict[str, Any]:
-    tokens = [tokenizer.decode([i.token_id], skip_special_tokens=False) for i in items]
-    return {
-        "tokens": tokens,
-        "token_logprobs": [i.logprob for i in items],
-        "top_logprobs": [
-            {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in i.top} for i in items
-        ],
-        "text_offset": [],
-    }
-
-
-def _usage_of(choices: list[dict[str, Any]]) -> dict[str, Any]:
-    completion = sum(c["output"] for c in choices)
-    return usage(choices[0]["prompt_tokens"], completion, choices[0]["cached"])
-
-
-def _chat_response(
-    state: ServingState,
-    req: EngineRequest,
-    steps: list[list[SequenceOutput]],
-    body: ChatCompletionRequest,
-) -> dict[str, Any]:
-    choices = _merge(steps, req.n)
-    return {
-        "id": req.request_id,
-        "object": "chat.completion",
-        "created": now(),
-        "model": state.served_model_name,
-        "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": c["text"]},
-                "logprobs": _chat_logprobs(state.tokenizer, c["logprobs"])
-                if body.logprobs
-                else None,
-                "finish_reason": c["finish_reason"],
-            }
-            for i, c in enumerate(choices)
-        ],
-        "usage": _usage_of(choices),
-    }
-
-
-def _completion_response(
-    state: ServingState,
-    req: EngineRequest,
-    steps: list[list[SequenceOutput]],
-    body: CompletionRequest,
-) -> dict[str, Any]:
-    choices = _merge(steps, req.n)
-    prefix = state.tokenizer.decode(req.prompt_token_ids) if body.echo else ""
-    return {
-        "id": req.request_id,
-        "object": "text_completion",
-        "created": now(),
-        "model": state.served_model_name,
-        "choices": [
-            {
-                "index": i,
-                "text": prefix + c["text"],
-                "logprobs": (
-                    _completion_logprobs(state.tokenizer, c["logprobs"])
-                    if body.logprobs is not None
-                    else None
-                ),
-                "finish_reason": c["finish_reason"],
-            }
-            for i, c in enumerate(choices)
-        ],
-        "usage": _usage_of(choices),
-    }
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _stream(
-    state: ServingState,
-    req: EngineRequest,
-    body: ChatCompletionRequest | CompletionRequest,
-    *,
-    chat: bool,
-) -> StreamingResponse:
-    created = now()
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    want_logprobs = (body.logprobs if chat else body.logprobs is not None) and True
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        payload = {
-            "id": req.request_id,
-            "object": obj,
-            "created": created,
-            "model": state.served_model_name,
-            "choices": choices,
-        }
-        payload.update(extra)
-        return _sse(payload)
-
-    render_lp: Callable[[Tokenizer, list[TokenLogprobs]], dict[str, Any]] = (
-        _chat_logprobs if chat else _completion_logprobs
-    )
-
-    outputs = state.engine.generate(req)
-
-    async def events() -> AsyncIterator[bytes]:
-        prompt_tokens = cached = 0
-        completion = [0] * req.n
-        try:
-            if chat:
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                        }
-                        for i in range(req.n)
-                    ]
-                )
-            async for outs in outputs:
-                choices = []
-                for o in outs:
-                    prompt_tokens, cached = o.num_prompt_tokens, o.num_cached_tokens
-                    completion[o.index] = o.num_output_tokens
-                    if not o.text and not o.finished and not (want_logprobs and o.logprobs):
-                        continue
-                    lp = (
-                        render_lp(state.tokenizer, o.logprobs)
-                        if want_logprobs and o.logprobs
-                        else None
-                    )
-                    choice: dict[str, Any] = {
-                        "index": o.index,
-                        "logprobs": lp,
-                        "finish_reason": o.finish_reason,
-                    }
-                    if chat:
-                        choice["delta"] = {"content": o.text} if o.text else {}
-                    else:
-                        choice["text"] = o.text
-                    choices.append(choice)
-                if choices:
-                    yield chunk(choices)
-            if include_usage:
-                yield chunk([], usage=usage(prompt_tokens, sum(completion), cached))
-            yield b"data: [DONE]\n\n"
-        except EngineDeadError as exc:
-            yield _sse(OpenAIError(500, str(exc), type="internal_error").body())
-
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
