@@ -29,27 +29,48 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   kube_ldflags+=" -X $pkg.gitTreeState=clean"
 done
 
-build() {  # build NAME MODULE_DIR PACKAGE LDFLAGS
-  local name="$1" module_dir="$2" package="$3" ldflags="$4"
-  if [[ -x "$bin/$name" ]]; then
-    echo "build.sh: $name is cached ($bin/$name)" >&2
-    return
-  fi
-  echo "build.sh: building $name from $package (several minutes the first time)..." >&2
-  local start=$SECONDS
+# One `go build` per module for every binary still missing: the go tool then schedules all
+# compiles and links together (no idle core between binaries) and links each package once.
+build_module() {  # build_module MODULE_DIR LDFLAGS NAME=PACKAGE...
+  local module_dir="$1" ldflags="$2"
+  shift 2
+  local names=() packages=() spec
+  for spec in "$@"; do
+    if [[ -x "$bin/${spec%%=*}" ]]; then
+      echo "build.sh: ${spec%%=*} is cached ($bin/${spec%%=*})" >&2
+    else
+      names+=("${spec%%=*}")
+      packages+=("${spec#*=}")
+    fi
+  done
+  [[ ${#names[@]} -eq 0 ]] && return
+  echo "build.sh: building ${names[*]} (many minutes the first time)..." >&2
+  local start=$SECONDS out
+  out="$(mktemp -d "$bin/.build.XXXXXX")"
   (cd "$here/$module_dir" && nice -n 19 go build -p "$jobs" -trimpath -ldflags "$ldflags" \
-    -o "$bin/$name.tmp" "$package")
-  mv "$bin/$name.tmp" "$bin/$name"
-  echo "build.sh: built $name in $((SECONDS - start))s" >&2
+    -o "$out/" "${packages[@]}")
+  local i built
+  for i in "${!names[@]}"; do
+    built="$(basename "${packages[$i]}")"  # go names a .../server/v3 main "server"
+    [[ "$built" =~ ^v[0-9]+$ ]] && built="$(basename "$(dirname "${packages[$i]}")")"
+    mv "$out/$built" "$bin/${names[$i]}"
+  done
+  rm -rf "$out"
+  echo "build.sh: built ${names[*]} in $((SECONDS - start))s" >&2
 }
 
-build etcd kube "go.etcd.io/etcd/server/v3" "-s -w"
-build kube-apiserver kube "k8s.io/kubernetes/cmd/kube-apiserver" "$kube_ldflags"
-build kube-controller-manager kube "k8s.io/kubernetes/cmd/kube-controller-manager" "$kube_ldflags"
-build kube-scheduler kube "k8s.io/kubernetes/cmd/kube-scheduler" "$kube_ldflags"
-build kubelet kube "k8s.io/kubernetes/cmd/kubelet" "$kube_ldflags"
-build kube-proxy kube "k8s.io/kubernetes/cmd/kube-proxy" "$kube_ldflags"
-build kubectl kube "k8s.io/kubernetes/cmd/kubectl" "$kube_ldflags"
-build helm helm "helm.sh/helm/v3/cmd/helm" "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+# helm's module downloads and compiles alongside the (much larger) Kubernetes build.
+build_module helm "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+  helm=helm.sh/helm/v3/cmd/helm &
+helm_build=$!
+build_module kube "$kube_ldflags" \
+  etcd=go.etcd.io/etcd/server/v3 \
+  kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver \
+  kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager \
+  kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler \
+  kubelet=k8s.io/kubernetes/cmd/kubelet \
+  kube-proxy=k8s.io/kubernetes/cmd/kube-proxy \
+  kubectl=k8s.io/kubernetes/cmd/kubectl
+wait "$helm_build"
 
 echo "$bin"

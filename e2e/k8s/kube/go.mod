@@ -1,6 +1,6 @@
-// Wrapper module: builds kube-apiserver, kube-controller-manager, kubectl and etcd
-// for the e2e tests from their Go modules. Every k8s.io staging module is pinned
-// with replace to the v0.x release matching the k8s.io/kubernetes version.
+// Wrapper module: builds etcd and the Kubernetes binaries (apiserver, controller-manager,
+// scheduler, kubelet, kube-proxy, kubectl) for the e2e tests from their Go modules.
+// Every k8s.io staging module is pinned with replace to the v0.x release matching the k8s.io/kubernetes version.
 module servefleet.io/e2e/kube
 
 go 1.24.0
