@@ -13,8 +13,11 @@ run: setup
 # The Kubernetes binaries (the longest step on a cold machine) build at the lowest CPU priority
 # while the checks run, so they take only cycles the checks leave idle; e2e starts when both end.
 test:
-	@$(MAKE) --no-print-directory -j2 k8s-bins checks
-	@$(MAKE) --no-print-directory e2e e2e-node
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory -j2 k8s-bins checks && \
+	echo "make test: checks and Kubernetes binaries done after $$(( $$(date +%s) - start ))s" && \
+	$(MAKE) --no-print-directory e2e e2e-node && \
+	echo "make test: everything passed in $$(( $$(date +%s) - start ))s"
 
 checks:
 	@$(MAKE) --no-print-directory -j1 setup system-deps lint typecheck unit

@@ -266,9 +266,11 @@ def test_every_dashboard_query_returns_series(
     autoscaler_server = None
     try:
         with serve_in_thread(FakeOpenAI()) as spill_url:
-            engine_port, gateway_port = _free_port(), _free_port()
+            engine_port, gateway_port, internal_port = _free_port(), _free_port(), _free_port()
             engine_url = f"http://127.0.0.1:{engine_port}"
             gateway_url = f"http://127.0.0.1:{gateway_port}"
+            # /metrics and the stats the autoscaler reads: the gateway's internal port only.
+            internal_url = f"http://127.0.0.1:{internal_port}"
             engine = children.start(
                 "engine",
                 [
@@ -300,6 +302,8 @@ def test_every_dashboard_query_returns_series(
                     str(config_file),
                     "--port",
                     str(gateway_port),
+                    "--internal-port",
+                    str(internal_port),
                 ],
                 env={**os.environ, "E2E_SPILL_KEY": "spill-secret"},
             )
@@ -316,7 +320,7 @@ def test_every_dashboard_query_returns_series(
             prometheus = f"http://127.0.0.1:{prom_port}"
             targets = {
                 "engine": f"127.0.0.1:{engine_port}",
-                "gateway": f"127.0.0.1:{gateway_port}",
+                "gateway": f"127.0.0.1:{internal_port}",
                 "autoscaler": f"127.0.0.1:{autoscaler_port}",
             }
             prom_file = tmp_path / "prometheus.yml"
@@ -362,7 +366,7 @@ def test_every_dashboard_query_returns_series(
             invalid = httpx.post(engine_url + "/v1/chat/completions", json={"model": MODEL})
             assert invalid.status_code == 400
 
-            decisions = asyncio.run(autoscaler_ticks(autoscaler, gateway_url, engine_url, 3))
+            decisions = asyncio.run(autoscaler_ticks(autoscaler, internal_url, engine_url, 3))
             assert decisions and all(d.desired >= 1 for d in decisions)
             time.sleep(4)  # a few more scrapes after the last request
 

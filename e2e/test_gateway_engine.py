@@ -64,6 +64,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
+    internal_url: str = ""  # a gateway's /metrics and /internal/* (not on its tenant port)
 
     def tail(self, lines: int = 25) -> str:
         try:
@@ -91,7 +92,8 @@ class Fleet:
         )
 
     def stats(self, gateway: int = 0) -> dict[str, Any]:
-        body = httpx.get(self.gateways[gateway].url + "/internal/deployments", timeout=10).json()
+        internal = self.gateways[gateway].internal_url
+        body = httpx.get(internal + "/internal/deployments", timeout=10).json()
         return next(d for d in body if d["name"] == DEPLOYMENT)
 
     def replica(self, endpoint: str, gateway: int = 0) -> dict[str, Any]:
@@ -205,15 +207,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         config_file.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
         gateways = []
         for i in range(2):
-            port = _free_port()
+            port, internal = _free_port(), _free_port()
             argv = [*_servefleet(), "gateway", "--config", str(config_file), "--port", str(port)]
+            argv += ["--internal-port", str(internal)]
             gateways.append(_start(f"gateway-{i}", argv, f"http://127.0.0.1:{port}", logs))
+            gateways[-1].internal_url = f"http://127.0.0.1:{internal}"
         children += gateways
         deadline = time.monotonic() + 60
         for gateway in gateways:
             _wait_ready(gateway, deadline)
             while time.monotonic() < deadline:  # its first probe round marks the replicas
-                stats = httpx.get(gateway.url + "/internal/deployments", timeout=5).json()
+                stats = httpx.get(gateway.internal_url + "/internal/deployments", timeout=5).json()
                 if stats[0]["ready_replicas"] == 2:
                     break
                 time.sleep(0.2)
@@ -381,12 +385,12 @@ def test_killed_replica_is_ejected_and_the_request_retried_elsewhere(fleet: Flee
     survivor = fleet.engines[1]
     victim = fleet.spare
     update = httpx.post(
-        fleet.gateways[0].url + f"/internal/deployments/{DEPLOYMENT}/replicas",
+        fleet.gateways[0].internal_url + f"/internal/deployments/{DEPLOYMENT}/replicas",
         json={"endpoints": [survivor.url, victim.url], "ready": [survivor.url, victim.url]},
         timeout=10,
     )
     assert update.status_code == 200
-    gateway = fleet.gateways[0].url
+    gateway = fleet.gateways[0].internal_url
     retries = gateway_counter(gateway, "servefleet_gateway_upstream_retries_total")
     victim.proc.kill()
     victim.proc.wait(timeout=10)

@@ -45,7 +45,7 @@ def split_image(ref: str) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def cluster(node_cluster: NodeCluster) -> NodeCluster:
-    """The chart installed with this run's images; sized for a two-core node."""
+    """The chart installed with this run's images and its defaults (they fit a two-core node)."""
     repo, tag = split_image(node_cluster.images["control-plane"])
     engine_repo, engine_tag = split_image(node_cluster.images["engine"])
     node_cluster.kube.helm(
@@ -54,7 +54,6 @@ def cluster(node_cluster: NodeCluster) -> NodeCluster:
         "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
         "--set", f"image.pullPolicy={node_cluster.pull_policy}",
         "--set", f"engineImage.repository={engine_repo}", "--set", f"engineImage.tag={engine_tag}",
-        "--set", "gateway.replicas=1", "--set", "gateway.resources.requests.cpu=100m",
         "--set", "operator.resyncSeconds=5",
     )  # fmt: skip
     # No namespace is set anywhere: the autoscaler watches every namespace, as the operator

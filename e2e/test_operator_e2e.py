@@ -31,7 +31,15 @@ from servefleet.kube import KubeAccess
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llmdeployment.yaml"
 ENGINE = f"{LABEL_COMPONENT}={COMPONENT_ENGINE}"
-CHILD_KINDS = ["configmap", "service", "deployment", "poddisruptionbudget", "servicemonitor"]
+CHILD_KINDS = [
+    "configmap",
+    "service",
+    "deployment",
+    "poddisruptionbudget",
+    "networkpolicy",
+    "servicemonitor",
+]
+VLLM_ON_URL = {"name": "m", "source": {"url": "https://models.example/m"}}
 
 
 def llmd(name: str, **spec: Any) -> str:
@@ -53,6 +61,15 @@ def status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
     assert obj is not None
     result: dict[str, Any] = obj.get("status", {})
     return result
+
+
+def reconciled(obj: dict[str, Any] | None) -> bool:
+    """Status written for the object's current spec (the operator's first pass also sets an
+    unset spec.replicas through the scale subresource, which is a second generation)."""
+    if obj is None:
+        return False
+    observed = obj.get("status", {}).get("observedGeneration")
+    return observed is not None and observed == obj["metadata"]["generation"]
 
 
 def ready_pods(kube: Kube, ns: str, name: str) -> int:
@@ -223,8 +240,13 @@ INVALID = [
     ),
     (
         "two-sources",
-        {"model": {"name": "m", "source": {"builtin": "a", "url": "https://x/y.gguf"}}},
-        "exactly one of builtin, pvc or url",
+        {
+            "model": {
+                "name": "m",
+                "source": {"builtin": "smollm2-135m-instruct", "url": "https://x/y.gguf"},
+            }
+        },
+        "exactly one of builtin, pvc, url, huggingface, s3 or oci",
     ),
     ("bad-engine", {"engine": {"kind": "tgi"}}, 'supported values: "servefleet", "vllm", "sglang"'),
     (
@@ -249,6 +271,44 @@ INVALID = [
         "Duplicate value",
     ),
     ("no-model", {"model": None}, "spec.model: Required value"),
+    (
+        "tp-over-gpus",
+        {
+            "model": VLLM_ON_URL,
+            "engine": {
+                "kind": "vllm",
+                "tensorParallelSize": 4,
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+            },
+        },
+        "tensorParallelSize must not exceed the GPUs of one replica",
+    ),
+    (
+        "tp-without-gpus",
+        {"model": VLLM_ON_URL, "engine": {"kind": "sglang", "tensorParallelSize": 2}},
+        "tensorParallelSize must not exceed the GPUs of one replica",
+    ),
+    (
+        "unknown-builtin",
+        {"model": {"name": "m", "source": {"builtin": "llama-9000"}}},
+        'supported values: "smollm2-135m-instruct"',
+    ),
+    (
+        "awq-on-servefleet",
+        {
+            "model": {
+                "name": "m",
+                "source": {"builtin": "smollm2-135m-instruct"},
+                "quantization": "awq",
+            }
+        },
+        "awq, gptq and fp8 need engine.kind vllm or sglang",
+    ),
+    (
+        "toleration-typo",
+        {"scheduling": {"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}},
+        'unknown field "spec.scheduling.tolerations[0].efect"',
+    ),
 ]
 
 
@@ -432,7 +492,7 @@ def test_operator_restart_creates_no_duplicates_and_keeps_status(
     for n in names:
         wait_for(
             f"{n} reconciled",
-            lambda n=n: status(kube, namespace, n).get("observedGeneration") == 1,
+            lambda n=n: reconciled(kube.get("llmd", n, namespace)),
             timeout=90,
         )
     kube.mark_pods_ready(namespace, ENGINE)
@@ -488,11 +548,7 @@ def test_fifty_deployments_are_reconciled(
 
     def all_reconciled() -> bool:
         items = kube.list("llmd", namespace)
-        done = [
-            i
-            for i in items
-            if i.get("status", {}).get("observedGeneration") == 1 and i["status"].get("selector")
-        ]
+        done = [i for i in items if reconciled(i) and i["status"].get("selector")]
         return len(done) == 50 and len(kube.list("deployment", namespace)) == 50
 
     wait_for("50 LLMDeployments reconciled", all_reconciled, timeout=300, interval=1.0)

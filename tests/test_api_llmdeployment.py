@@ -71,9 +71,17 @@ def test_python_names_are_accepted_too() -> None:
             {"spillover": {"enabled": True, "baseURL": "https://x/v1", "model": "m"}},
             "needs baseURL, model and apiKeySecretRef",
         ),
-        ({"model": {"name": "m", "source": {}}}, "exactly one of builtin, pvc or url"),
         (
-            {"model": {"name": "m", "source": {"builtin": "a", "url": "https://x/y.gguf"}}},
+            {"model": {"name": "m", "source": {}}},
+            "exactly one of builtin, pvc, url, huggingface, s3 or oci",
+        ),
+        (
+            {
+                "model": {
+                    "name": "m",
+                    "source": {"builtin": "smollm2-135m-instruct", "url": "https://x/y.gguf"},
+                }
+            },
             "exactly one",
         ),
         (
@@ -104,6 +112,46 @@ def test_python_names_are_accepted_too() -> None:
             "should match pattern",
         ),
         ({"tenants": [{"name": "a"}]}, "apiKeySecretRef"),
+        (
+            {"model": {"name": "m", "source": {"builtin": "llama-9000"}}},
+            "Input should be 'smollm2-135m-instruct'",
+        ),
+        (
+            {
+                "model": {"name": "m", "source": {"url": "https://x/m"}},
+                "engine": {
+                    "kind": "vllm",
+                    "tensorParallelSize": 4,
+                    "resources": {"limits": {"nvidia.com/gpu": 1}},
+                },
+            },
+            "tensorParallelSize must not exceed the GPUs of one replica",
+        ),
+        (
+            {
+                "model": {"name": "m", "source": {"url": "https://x/m"}},
+                "engine": {"kind": "sglang", "tensorParallelSize": 2},
+            },
+            "tensorParallelSize must not exceed the GPUs of one replica",
+        ),
+        (
+            {
+                "model": {
+                    "name": "m",
+                    "source": {"builtin": "smollm2-135m-instruct"},
+                    "quantization": "awq",
+                }
+            },
+            "awq, gptq and fp8 need engine.kind vllm or sglang",
+        ),
+        ({"engine": {"maxModelLen": 8}}, "greater than or equal to 16"),
+        ({"scheduling": {"tolerations": [{"key": "k", "efect": "NoSchedule"}]}}, "efect"),
+        ({"scheduling": {"tolerations": [{"operator": "Maybe"}]}}, "'Exists' or 'Equal'"),
+        ({"scheduling": {"priorityClassName": "Not_A_Name"}}, "should match pattern"),
+        (
+            {"scheduling": {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "z"}]}},
+            "whenUnsatisfiable",
+        ),
     ],
 )
 def test_invalid_specs_are_rejected_with_a_clear_message(
@@ -166,7 +214,7 @@ def test_loader_reports_document_and_field(tmp_path: Path) -> None:
     bad.write_text(
         "apiVersion: v1\nkind: Secret\nmetadata: {name: s}\ndata: {k: aGk=}\n---\n"
         "apiVersion: servefleet.io/v1alpha1\nkind: LLMDeployment\nmetadata: {name: x}\n"
-        "spec:\n  model: {name: m, source: {builtin: b}}\n"
+        "spec:\n  model: {name: m, source: {builtin: smollm2-135m-instruct}}\n"
         "  pool: {minReplicas: 5, maxReplicas: 1}\n"
     )
     with pytest.raises(ManifestError) as err:
@@ -200,7 +248,7 @@ def test_loader_rejects_bad_files(tmp_path: Path, content: str, message: str) ->
 def test_loader_rejects_duplicates_and_missing_files(tmp_path: Path) -> None:
     doc = (
         "apiVersion: servefleet.io/v1alpha1\nkind: LLMDeployment\nmetadata: {name: x}\n"
-        "spec: {model: {name: m, source: {builtin: b}}}\n"
+        "spec: {model: {name: m, source: {builtin: smollm2-135m-instruct}}}\n"
     )
     path = tmp_path / "twice.yaml"
     path.write_text(doc + "---\n" + doc)
@@ -215,3 +263,29 @@ def test_every_example_is_valid() -> None:
     assert len(files) >= 2
     for path in files:
         assert load_llmdeployments(path)
+
+
+def test_gpus_per_replica_bound_tensor_parallelism() -> None:
+    engine = {"kind": "vllm", "tensorParallelSize": 4}
+    for resources in ({"limits": {"nvidia.com/gpu": 4}}, {"requests": {"nvidia.com/gpu": "8"}}):
+        doc = with_spec(
+            model={"name": "m", "source": {"url": "https://x/m"}},
+            engine={**engine, "resources": resources},
+        )
+        assert LLMDeployment.model_validate(doc).spec.engine.tensor_parallel_size == 4
+
+
+def test_scheduling_defaults_to_nothing_and_reads_pod_spelling() -> None:
+    assert LLMDeployment.model_validate(minimal()).spec.scheduling.to_wire() == {
+        "nodeSelector": {},
+        "tolerations": [],
+        "topologySpreadConstraints": [],
+    }
+    spread = {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}
+    dep = LLMDeployment.model_validate(
+        with_spec(scheduling={"topologySpreadConstraints": [spread]})
+    )
+    assert dep.spec.scheduling.topology_spread_constraints[0].to_wire() == {
+        **spread,
+        "matchLabelKeys": [],
+    }

@@ -245,6 +245,16 @@ def test_batch_backlog_waits_and_buys_no_replicas() -> None:
     asleep = Observation(gateway_queued=5, gateway_queued_batch=5)
     d = decide(asleep, t, now=0)
     assert (d.desired, d.reason) == (1, Reason.WAKE_FROM_ZERO)  # someone has to serve it
+    # Running batch requests are load, not demand: a pool full of them buys nothing more.
+    full = (
+        ReplicaLoad(name="r0", state=READY, running=8),
+        ReplicaLoad(name="r1", state=READY, running=8),
+    )
+    running = Observation(
+        replicas=full, gateway_queued=50, gateway_queued_batch=50, in_flight_batch=16
+    )
+    assert decide(running, t, now=0).desired == 2  # holds; shrinking is the delay's to allow
+    assert decide(running.model_copy(update={"in_flight_batch": 0}), t, now=0).desired == 4
 
 
 def test_spill_over_is_rented_until_it_costs_what_replicas_would() -> None:
@@ -265,3 +275,22 @@ def test_spill_over_is_rented_until_it_costs_what_replicas_would() -> None:
     assert decide(spilling, t, now=200.0, state=state).desired == 4  # ceil((4 + 12) / 4)
     # Without prices there is nothing to weigh: spilled demand buys replicas at once.
     assert decide(spilling, targets(), now=0).desired == 4
+
+
+def test_latency_after_a_priced_spill_is_for_rent_or_buy_to_price() -> None:
+    """With prices, the overflow went to the hosted API: the slow tail it leaves in the
+    measured wait buys no replica by itself while spilling, or paused for under a minute."""
+    priced = targets(replica_cost_per_hour=2.0, spill_cost_per_million_tokens=2.0)
+    busy = (ReplicaLoad(name="r0", state=READY, running=4),)
+    spilling = Observation(
+        replicas=busy, spilled_per_s=0.5, spilled_tokens_per_s=300.0, mean_service_s=6.0
+    )
+    slow = Observation(replicas=busy, queue_wait_s=5.0)
+    d = decide(spilling, priced, now=0)
+    assert (d.desired, d.reason) == (1, Reason.SPILLING)
+    d = decide(slow, priced, now=30, state=d.state)
+    assert d.desired == 1, d.message  # paused 30 s: still the same spill-over
+    d = decide(slow, priced, now=100, state=d.state)
+    assert (d.desired, d.reason) == (2, Reason.LATENCY_OVER_TARGET)  # over a minute ago
+    # Without prices there is nothing to weigh: latency over target buys at once.
+    assert decide(slow, targets(), now=30).reason is Reason.LATENCY_OVER_TARGET

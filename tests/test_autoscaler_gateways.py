@@ -14,7 +14,8 @@ from tests.support.fake_kube import Call, fake_kube
 
 GATEWAY_SLICE = {
     "metadata": {"name": "gw-abc", "namespace": "sys"},
-    "ports": [{"name": "http", "port": 8080}],
+    # The stats are read on the internal port; the tenant port does not serve them.
+    "ports": [{"name": "http", "port": 8080}, {"name": "internal", "port": 8090}],
     "endpoints": [
         {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
         {"addresses": ["10.0.0.2"], "conditions": {"ready": True}},
@@ -42,6 +43,7 @@ def two_gateways() -> httpx.AsyncClient:
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/internal/deployments"
+        assert request.url.port == 8090
         if request.url.host not in answers:
             return httpx.Response(404)  # an engine's /metrics: not needed here
         return httpx.Response(200, json=answers[request.url.host])
@@ -83,7 +85,7 @@ async def test_both_gateways_queues_count() -> None:
 
     async with fake_kube(answer) as (_, kube), two_gateways() as http:
         source = GatewayFleetSource(kube, "sys", "gw", http)
-        assert await source.endpoints() == ["http://10.0.0.1:8080", "http://10.0.0.2:8080"]
+        assert await source.endpoints() == ["http://10.0.0.1:8090", "http://10.0.0.2:8090"]
         stats = (await source.deployments())["llm"]
     assert (stats.queue_depth, stats.in_flight, stats.ttft_p90_seconds) == (7, 7, 1.5)
     assert [(r.endpoint, r.outstanding) for r in stats.replicas] == [("http://e0:8000", 7)]
@@ -94,7 +96,7 @@ def llm_deployment(queue_depth: int) -> dict[str, Any]:
         "apiVersion": "servefleet.io/v1alpha1",
         "kind": "LLMDeployment",
         "metadata": {"name": "llm", "namespace": "ns", "uid": "u1"},
-        "spec": {"model": {"name": "m", "source": {"builtin": "b"}}},
+        "spec": {"model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}}},
         "status": {"selector": "servefleet.io/llmdeployment=llm", "queueDepth": queue_depth},
     }
 

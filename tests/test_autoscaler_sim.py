@@ -105,6 +105,42 @@ def test_a_burst_jumps_and_idle_returns_to_the_warm_pool_in_the_simulator() -> N
     assert result.timeline_replicas[-1] == 1  # back to the warm pool once it is over
 
 
+def _with_batch_dump(quiet: Trace, size: int, at_s: float) -> Trace:
+    arrivals = np.concatenate([quiet.arrivals_s, np.full(size, at_s)])
+    order = np.argsort(arrivals, kind="stable")
+    batch = np.concatenate([np.zeros(quiet.arrivals_s.size, bool), np.ones(size, bool)])
+    return quiet.model_copy(
+        update={
+            "arrivals_s": arrivals[order],
+            "service_s": np.concatenate([quiet.service_s, np.full(size, 6.0)])[order],
+            "tokens": np.full(arrivals.size, 500),
+            "batch": batch[order],
+        }
+    )
+
+
+def test_a_batch_backlog_waits_and_buys_no_replica_in_the_simulator() -> None:
+    """400 batch requests dumped at once drain through the warm pool (waits of minutes) and
+    buy nothing, queued or running; the same 400 as interactive requests fill the pool."""
+    cluster = ClusterSpec(concurrency=8, cold_start_s=30, tick_s=10, spill=SpillSpec(enabled=True))
+    priced = _targets(replica_cost_per_hour=2.0, spill_cost_per_million_tokens=2.0)
+    alone = _with_batch_dump(_steady(0.3, seconds=1800), 400, 120.0)
+    alone = alone.model_copy(update={"batch": np.ones(alone.arrivals_s.size, bool)})
+    for targets in (_targets(), priced):
+        result = simulate(alone, cluster, ServefleetPolicy(targets=targets))
+        assert max(result.timeline_replicas) == 1, result.reasons
+        assert result.batch_waits_s.max() > 60 and result.spilled == 0
+    # Beside light interactive traffic, only interactive latency may add a replica (its
+    # requests wait for slots the batch holds), one at a time, never the backlog's size.
+    mixed = _with_batch_dump(_steady(0.3, seconds=1800), 400, 120.0)
+    result = simulate(mixed, cluster, ServefleetPolicy(targets=_targets()))
+    assert max(result.timeline_replicas) <= 2
+    assert not {"demand", "predicted_growth", "spill_costs_more"} & set(result.reasons)
+    rush = mixed.model_copy(update={"batch": np.zeros(mixed.arrivals_s.size, bool)})
+    result = simulate(rush, cluster, ServefleetPolicy(targets=_targets()))
+    assert max(result.timeline_replicas) > 10
+
+
 def test_spill_over_takes_interactive_only_and_is_billed_by_tokens() -> None:
     trace = make_trace(TraceSpec(duration_s=600, peak_rate=6, spikes=0, batch_share=0.3, seed=2))
     cluster = ClusterSpec(concurrency=4, cold_start_s=30, tick_s=5, spill=SpillSpec(enabled=True))
@@ -173,15 +209,16 @@ def test_sim_command_sweeps_an_access_log(tmp_path: Path) -> None:
     write_access_log(trace, log)
     out = tmp_path / "out"
     argv = ["sim", "--trace", str(log), "--out", str(out), "--jobs", "1", "--max-replicas", "6"]
-    assert cli_main([*argv, "--policies", "servefleet,fixed", "--warm-minimums", "0,1"]) == 0
+    sweep = ["--policies", "servefleet,fixed", "--warm-minimums", "0,1", "--spill-patiences", "50"]
+    assert cli_main([*argv, *sweep]) == 0
     report = json.loads((out / "sim.json").read_text())
     (name,) = report["traces"]
     points = report["traces"][name]["points"]
     assert {p["policy"] for p in points} == {"servefleet", "fixed"}
-    assert {p["settings"].get("min_replicas") for p in points if p["policy"] == "servefleet"} == {
-        0.0,
-        1.0,
-    }
+    ours = [p["settings"] for p in points if p["policy"] == "servefleet"]
+    assert {s["min_replicas"] for s in ours if "spill_patience" not in s} == {0.0, 1.0}
+    # ... and the spill-heavy warm pools, one per fixed size (and warm minimum above the floor).
+    assert {s["min_replicas"] for s in ours if s.get("spill_patience") == 50} == {1, 2, 4, 6}
     assert (out / "sim.png").stat().st_size > 0
     # Every point is reproducible: the same settings give the same numbers.
     again = run_point(read_access_log(log), "fixed", {"replicas": 2.0}, _sweep_of(report))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -68,5 +70,56 @@ def test_operator_rbac_never_deletes_and_never_reads_secrets() -> None:
         if line.strip().startswith(("verbs:", "resources:"))
     ]
     assert rules
-    assert not any("delete" in line or "secrets" in line for line in rules)
+    assert not any("delete" in line for line in rules)
+    # Secrets: only `create` (the engine key, written once); never get/list/watch/patch.
+    for resources, verbs in itertools.pairwise(rules):
+        if "secrets" in resources:
+            assert verbs.strip() == "verbs: [create]", verbs
     assert "'*'" not in text and '"*"' not in text
+
+
+def schema_node(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """`node`, or the definition its `$ref` names."""
+    ref = node.get("$ref")
+    if not ref:
+        return node
+    found: dict[str, Any] = schema["definitions"][ref.removeprefix("#/definitions/")]
+    return found
+
+
+def undeclared_values(
+    schema: dict[str, Any], node: dict[str, Any], values: Any, path: str
+) -> list[str]:
+    """Paths in `values` that the schema neither declares nor leaves open."""
+    node = schema_node(schema, node)
+    if not isinstance(values, dict) or "properties" not in node:
+        return []
+    missing = []
+    for key, value in values.items():
+        declared = node["properties"].get(key)
+        if declared is None:
+            missing.append(f"{path}{key}")
+        else:
+            missing += undeclared_values(schema, declared, value, f"{path}{key}.")
+    return missing
+
+
+def test_every_value_is_declared_in_the_closed_schema() -> None:
+    """A key added to values.yaml without the schema fails here before `helm install`
+    refuses it; and the schema refuses unknown keys at every level the chart defines."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert undeclared_values(schema, schema, values, "") == []
+    assert all(
+        node.get("additionalProperties") is False for node in objects_with_properties(schema)
+    )
+
+
+def objects_with_properties(node: Any) -> list[dict[str, Any]]:
+    """Every schema object that lists its properties, nested ones included."""
+    if isinstance(node, list):
+        return [found for item in node for found in objects_with_properties(item)]
+    if not isinstance(node, dict):
+        return []
+    own = [node] if isinstance(node.get("properties"), dict) else []
+    return own + objects_with_properties(list(node.values()))

@@ -102,7 +102,8 @@ def test_cel_rules_cover_the_pydantic_cross_field_rules() -> None:
     for expected in (
         "pool.minReplicas must be <= pool.maxReplicas",
         "spillover.enabled needs baseURL, model and apiKeySecretRef",
-        "model.source needs exactly one of builtin, pvc or url",
+        "model.source needs exactly one of builtin, pvc, url, huggingface, s3 or oci",
+        "model.cache applies only to the url, huggingface and s3 sources",
         "spillover.tenants must name tenants listed in spec.tenants",
     ):
         assert expected in messages

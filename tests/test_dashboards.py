@@ -23,8 +23,9 @@ from servefleet.engine.metrics import EngineMetrics
 from servefleet.gateway.metrics import GatewayMetrics
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "charts" / "servefleet" / "files" / "dashboards"
-# Labels Prometheus adds to every scraped series, and the histogram bucket label.
-TARGET_LABELS = {"instance", "job"}
+# Labels Prometheus adds to every scraped series; a ServiceMonitor scrape (the chart's, the
+# operator's) adds the namespace, Service and pod of the target as well.
+TARGET_LABELS = {"instance", "job", "namespace", "service", "pod"}
 METRIC = re.compile(r"(?<![\w:])((?:vllm:|servefleet_)[A-Za-z0-9_:]*)")
 SELECTOR = re.compile(r"((?:vllm:|servefleet_)[A-Za-z0-9_:]*)\{([^}]*)\}")
 MATCHER = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"\s*")
@@ -126,6 +127,25 @@ def test_template_variables_are_only_used_as_regex_matchers(
             assert re.search(rf"=~\"\$\{{?{used}\b", expr), (
                 f'{name} / {title}: ${used} must be used as label=~"${used}"'
             )
+
+
+@pytest.mark.parametrize("name,board", dashboards())
+def test_dashboards_filter_by_namespace_and_deployment(name: str, board: dict[str, Any]) -> None:
+    """One Grafana for many installs and teams: every query follows the namespace picked, and
+    the deployment: the engines' Service, or the `deployment` label where a series has one."""
+    variables = [v["name"] for v in board["templating"]["list"]]
+    assert variables[1] == "namespace", name
+    engines = "vllm:" in json.dumps(board)
+    assert ("service" if engines else "deployment") in variables, name
+    series = all_series()
+    for title, expr in panel_targets(board):
+        for metric, matchers in SELECTOR.findall(expr):
+            labels = {label for label, _, _ in MATCHER.findall(matchers)}
+            assert "namespace" in labels, f"{name} / {title}: {metric}"
+            if engines:
+                assert "service" in labels, f"{name} / {title}: {metric}"
+            elif "deployment" in series[metric]:
+                assert "deployment" in labels, f"{name} / {title}: {metric}"
 
 
 def test_engine_adapters_name_series_the_engines_export() -> None:

@@ -172,7 +172,10 @@ def test_the_gateway_routes_to_what_the_endpointslices_list() -> None:
         )
         with serve_in_thread(fake) as api:
             gateway = Gateway(config, kubernetes=KubeAccess(server=api))
-            with serve_in_thread(gateway) as base:
+            with (
+                serve_in_thread(gateway) as base,
+                serve_in_thread(gateway.internal, lifespan="off") as internal,
+            ):
                 try:
                     states: dict[str, str] = {}
                     for _ in range(200):
@@ -194,7 +197,7 @@ def test_the_gateway_routes_to_what_the_endpointslices_list() -> None:
                     assert len(replicas[0].stats.requests) == 3 and not replicas[1].stats.requests
                     # Discovery owns this deployment's replicas: the static update is refused.
                     refused = httpx.post(
-                        base + "/internal/deployments/d/replicas", json={"endpoints": []}
+                        internal + "/internal/deployments/d/replicas", json={"endpoints": []}
                     )
                     assert refused.status_code == 409
                 finally:

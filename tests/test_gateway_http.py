@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from typing import Any
 
 import httpx
@@ -21,7 +22,7 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
-from servefleet.api.llmdeployment import SpilloverSpec, TenantLimits
+from servefleet.api.llmdeployment import PoolSpec, SpilloverSpec, TenantLimits
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
@@ -43,8 +44,8 @@ def auth(name: str) -> dict[str, str]:
 
 
 class Rig:
-    def __init__(self, gateway: Gateway, base: str, fakes: list[FakeOpenAI]) -> None:
-        self.gateway, self.base, self.fakes = gateway, base, fakes
+    def __init__(self, gateway: Gateway, base: str, internal: str, fakes: list[FakeOpenAI]) -> None:
+        self.gateway, self.base, self.internal, self.fakes = gateway, base, internal, fakes
 
 
 @pytest.fixture
@@ -80,6 +81,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
                     tenants=[TenantAccess(name="a"), TenantAccess(name="b")],
                     upstream_timeout_seconds=opts.get("timeout", 30.0),
                     cold_start_seconds=60.0,  # longer than maxQueueWait (30 s)
+                    pool=PoolSpec(per_replica_concurrency=opts.get("concurrency", 8)),
                     **spill_kw,
                 ),
                 GatewayDeployment(
@@ -91,7 +93,8 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
         if not opts.get("no_replicas"):
             gateway.set_replicas("d", urls, ready=urls)
         base = stack.enter_context(serve_in_thread(gateway))
-        yield Rig(gateway, base, fakes)
+        internal = stack.enter_context(serve_in_thread(gateway.internal, lifespan="off"))
+        yield Rig(gateway, base, internal, fakes)
 
 
 def test_auth_models_and_not_found(rig: Rig) -> None:
@@ -214,7 +217,7 @@ def test_spill_over_when_no_replica_is_ready(rig: Rig) -> None:
     ) as stream:
         assert stream.headers["x-servefleet-route"] == "spillover"
         assert b"[DONE]" in stream.read()
-    metrics = httpx.get(rig.base + "/metrics").text
+    metrics = httpx.get(rig.internal + "/metrics").text
     assert 'outcome="spilled",tenant="a"} 2.0' in metrics
 
 
@@ -263,18 +266,62 @@ def test_hanging_upstream_is_cut_with_an_openai_error(rig: Rig) -> None:
     assert time.monotonic() - started < 25  # cut by the gateway, not by the client
 
 
+def test_a_client_leaving_a_whole_answer_aborts_the_upstream(rig: Rig) -> None:
+    """A non-streaming client that gives up must not leave the engine generating for nobody."""
+    fake = rig.fakes[0]
+    fake.behaviour.hang = True
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT, timeout=1.0)
+    deadline = time.monotonic() + 10  # far below the 30 s upstream timeout of this rig
+    while fake.stats.disconnects == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake.stats.disconnects == 1
+    fake.behaviour.hang = False
+    assert rig.gateway.pools["d"].in_flight == 0  # the lease came back
+
+
+@pytest.mark.parametrize("rig", [{"concurrency": 1}], indirect=True)
+def test_a_client_leaving_the_queue_gives_its_place_back(rig: Rig) -> None:
+    fake, pool = rig.fakes[0], rig.gateway.pools["d"]
+    fake.behaviour.hang = True
+    with ExitStack() as stack:
+        holder = stack.enter_context(httpx.Client(timeout=30))
+        stack.callback(fake.behaviour.__setattr__, "hang", False)
+        held = threading.Thread(
+            target=lambda: _post_quietly(holder, rig.base, timeout=3.0), daemon=True
+        )
+        held.start()
+        deadline = time.monotonic() + 10
+        while pool.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.in_flight == 1  # the only slot is taken
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT, timeout=1)
+        deadline = time.monotonic() + 5
+        while len(pool.queue) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool.queue) == 0  # gone from the queue at once, not after maxQueueWait
+        held.join(timeout=10)
+    assert len(fake.stats.requests) == 1  # the one that left never reached the replica
+
+
+def _post_quietly(client: httpx.Client, base: str, *, timeout: float) -> None:
+    with suppress(httpx.TimeoutException):
+        client.post(base + "/v1/chat/completions", headers=auth("a"), json=CHAT, timeout=timeout)
+
+
 def test_internal_api_reports_and_updates_replicas(rig: Rig) -> None:
-    stats = httpx.get(rig.base + "/internal/deployments").json()
+    stats = httpx.get(rig.internal + "/internal/deployments").json()
     assert {s["name"] for s in stats} == {"d", "other"}
     assert {"queue_depth", "in_flight", "service_rate"} <= set(stats[0])
     r = httpx.post(
-        rig.base + "/internal/deployments/other/replicas",
+        rig.internal + "/internal/deployments/other/replicas",
         json={"endpoints": ["http://127.0.0.1:9"]},
     )
     assert r.status_code == 200 and r.json()["replicas"][0]["state"] == "starting"
     assert (
         httpx.post(
-            rig.base + "/internal/deployments/x/replicas", json={"endpoints": []}
+            rig.internal + "/internal/deployments/x/replicas", json={"endpoints": []}
         ).status_code
         == 404
     )

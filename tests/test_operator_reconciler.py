@@ -27,6 +27,21 @@ class RecordingClient:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.fail_kind = fail_kind
         self.listed: list[dict[str, Any]] = []
+        self.created: list[dict[str, Any]] = []
+        self.scaled: list[tuple[str, int, str]] = []
+
+    async def set_scale(
+        self, resource: Resource, namespace: str, name: str, replicas: int, manager: str
+    ) -> None:
+        assert resource.kind == "LLMDeployment"
+        self.scaled.append((name, replicas, manager))
+
+    async def create(self, obj: dict[str, Any], field_manager: str) -> bool:
+        assert field_manager == "servefleet-operator"
+        exists = any(o["metadata"]["name"] == obj["metadata"]["name"] for o in self.created)
+        if not exists:
+            self.created.append(obj)
+        return not exists
 
     async def apply(self, obj: dict[str, Any], field_manager: str) -> dict[str, Any]:
         if obj["kind"] == self.fail_kind:
@@ -60,7 +75,7 @@ def dep(status: dict[str, Any] | None = None) -> LLMDeployment:
     return LLMDeployment.model_validate(
         {
             "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 2},
-            "spec": {"model": {"name": "m", "source": {"builtin": "b"}}},
+            "spec": {"model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}}},
             "status": status or {},
         }
     )
@@ -80,7 +95,14 @@ async def test_reconcile_applies_children_and_writes_status_once() -> None:
         ("Service", "servefleet-operator"),
         ("Deployment", "servefleet-operator"),
         ("PodDisruptionBudget", "servefleet-operator"),
+        ("NetworkPolicy", "servefleet-operator"),
     ]
+    # The engine key Secret is created, never applied: a re-apply would rotate the key.
+    assert [(o["kind"], o["metadata"]["name"]) for o in client.created] == [
+        ("Secret", "m-engine-key")
+    ]
+    # An unset spec.replicas gets the warm minimum, so that its scale can be read (HPA, KEDA).
+    assert client.scaled == [("m", dep().spec.desired_replicas(), "servefleet-operator")]
     (patch,) = client.status_patches
     assert patch["status"]["observedGeneration"] == 2
     assert patch["status"]["endpoint"] == "http://gw:8080/v1"
@@ -95,7 +117,8 @@ async def test_reconcile_applies_children_and_writes_status_once() -> None:
     await r.reconcile(written)
     assert len(client.status_patches) == 1
     assert events == []
-    assert len(client.applied) == 8  # applied again (drift repair), idempotent by design
+    assert len(client.applied) == 10  # applied again (drift repair), idempotent by design
+    assert len(client.created) == 1
 
 
 async def test_apply_failure_is_degraded_and_retried() -> None:

@@ -64,6 +64,7 @@ def test_every_child_is_owned_by_the_cr_and_labelled() -> None:
         "Service",
         "Deployment",
         "PodDisruptionBudget",
+        "NetworkPolicy",
         "ServiceMonitor",
     ]
     for obj in objs:
@@ -84,7 +85,9 @@ def test_every_child_is_owned_by_the_cr_and_labelled() -> None:
 
 
 def test_rendering_without_uid_is_refused() -> None:
-    dep = make({"model": {"name": "m", "source": {"builtin": "b"}}}).model_copy()
+    dep = make(
+        {"model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}}}
+    ).model_copy()
     dep.metadata.uid = None
     with pytest.raises(ValueError, match="has no uid"):
         render.children(dep, SETTINGS, with_service_monitor=False)
@@ -119,7 +122,7 @@ def test_engine_deployment_keeps_the_warm_pool_during_rollouts() -> None:
 def test_replicas_follow_spec_replicas() -> None:
     dep = make(
         {
-            "model": {"name": "m", "source": {"builtin": "b"}},
+            "model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}},
             "replicas": 3,
             "pool": {"maxReplicas": 5},
         }
@@ -160,21 +163,6 @@ def test_pvc_source_mounts_the_claim_read_only() -> None:
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
 
 
-def test_url_source_fetches_before_the_engine_starts() -> None:
-    dep = make(
-        {"model": {"name": "m", "source": {"url": "https://example.com/w/model.Q4_1.gguf?x=1"}}}
-    )
-    pod = render.engine_pod_template(dep, SETTINGS)["spec"]
-    (fetch,) = pod["initContainers"]
-    assert fetch["image"] == "servefleet:test"
-    assert fetch["command"][-2:] == [
-        "https://example.com/w/model.Q4_1.gguf?x=1",
-        "/models/model.Q4_1.gguf",
-    ]
-    args = pod["containers"][0]["args"]
-    assert args[args.index("--model") + 1] == "/models/model.Q4_1.gguf"
-
-
 def test_sglang_adapter_flags_and_port() -> None:
     dep = make(
         {
@@ -195,7 +183,7 @@ def test_sglang_adapter_flags_and_port() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/health_generate"
     assert container["args"][-1] == "--trust-remote-code"
     assert container["args"][container["args"].index("--max-running-requests") + 1] == "32"
-    assert container["env"][1] == {
+    assert container["env"][2] == {
         "name": "TOKEN",
         "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}},
     }
@@ -208,7 +196,12 @@ def test_headless_service_and_pdb() -> None:
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == render.selector_labels(dep)
     assert render.pod_disruption_budget(dep)["spec"]["minAvailable"] == 1
-    zero = make({"model": {"name": "m", "source": {"builtin": "b"}}, "pool": {"minReplicas": 0}})
+    zero = make(
+        {
+            "model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}},
+            "pool": {"minReplicas": 0},
+        }
+    )
     assert render.pod_disruption_budget(zero)["spec"] == {
         "selector": {"matchLabels": render.selector_labels(zero)},
         "maxUnavailable": 1,
@@ -234,3 +227,176 @@ def test_gateway_route_is_a_gateway_config_with_secret_references_only() -> None
 
 def test_rendering_is_deterministic() -> None:
     assert render.children(example(), SETTINGS, True) == render.children(example(), SETTINGS, True)
+
+
+def pod_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = render.engine_pod_template(make(spec), SETTINGS)["spec"]
+    return result
+
+
+GPU_SPEC = {
+    "model": {"name": "q", "source": {"pvc": {"claimName": "c"}}, "quantization": "awq"},
+    "engine": {
+        "kind": "vllm",
+        "tensorParallelSize": 2,
+        "maxModelLen": 8192,
+        "resources": {"limits": {"nvidia.com/gpu": 2}},
+    },
+}
+
+
+def test_scheduling_is_copied_into_the_engine_pods() -> None:
+    spread = {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                ]
+            }
+        }
+    }
+    pod = pod_spec(
+        {
+            **GPU_SPEC,
+            "scheduling": {
+                "nodeSelector": {"pool": "gpu"},
+                "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm"}],
+                "affinity": affinity,
+                "priorityClassName": "serving-high",
+                "runtimeClassName": "nvidia",
+                "topologySpreadConstraints": [spread],
+            },
+        }
+    )
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    assert pod["tolerations"] == [
+        {"key": "dedicated", "operator": "Equal", "value": "llm"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    assert pod["affinity"] == affinity
+    assert (pod["priorityClassName"], pod["runtimeClassName"]) == ("serving-high", "nvidia")
+    # Without a labelSelector a spread constraint counts this deployment's engine pods.
+    assert pod["topologySpreadConstraints"] == [
+        {**spread, "labelSelector": {"matchLabels": render.selector_labels(make(GPU_SPEC))}}
+    ]
+
+
+def test_unset_scheduling_adds_nothing_to_a_cpu_pod() -> None:
+    pod = render.engine_pod_template(example(), SETTINGS)["spec"]
+    for field in ("nodeSelector", "tolerations", "affinity", "priorityClassName"):
+        assert field not in pod
+    assert "runtimeClassName" not in pod and "topologySpreadConstraints" not in pod
+
+
+@pytest.mark.parametrize(
+    ("kind", "length_flag"),
+    [("vllm", "--max-model-len"), ("sglang", "--context-length")],
+)
+def test_quantization_and_max_model_len_reach_vllm_and_sglang(kind: str, length_flag: str) -> None:
+    spec = {**GPU_SPEC, "engine": {**GPU_SPEC["engine"], "kind": kind}}
+    args = pod_spec(spec)["containers"][0]["args"]
+    assert args[args.index("--quantization") + 1] == "awq"
+    assert args[args.index(length_flag) + 1] == "8192"
+    gguf = {**spec, "model": {**spec["model"], "quantization": "q4_0"}}
+    assert "--quantization" not in pod_spec(gguf)["containers"][0]["args"]
+
+
+def test_max_model_len_reaches_our_engine() -> None:
+    spec = {
+        "model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}},
+        "engine": {"maxModelLen": 1024},
+    }
+    args = pod_spec(spec)["containers"][0]["args"]
+    assert args[args.index("--max-model-len") + 1] == "1024"
+    assert "--quantization" not in args
+
+
+def test_engine_pods_run_restricted() -> None:
+    ours = render.engine_pod_template(example(), SETTINGS)["spec"]
+    assert ours["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert ours["containers"][0]["securityContext"] == restricted
+    # vLLM's and SGLang's images run as root: everything but the user is restricted.
+    vllm = pod_spec(GPU_SPEC)
+    assert vllm["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert vllm["containers"][0]["securityContext"] == restricted
+    fetched = pod_spec({"model": {"name": "m", "source": {"url": "https://models.example/m.gguf"}}})
+    assert all(c["securityContext"] == restricted for c in fetched["initContainers"])
+
+
+def test_network_policy_admits_only_the_gateway_autoscaler_and_labelled_clients() -> None:
+    dep = example()
+    policy = by_kind(render.children(dep, SETTINGS, False))["NetworkPolicy"]
+    assert policy["metadata"]["name"] == "smollm2-engine"
+    assert policy["spec"]["podSelector"] == {"matchLabels": render.selector_labels(dep)}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    peers = [p["podSelector"]["matchLabels"] for p in rule["from"]]
+    assert peers == [
+        {"app.kubernetes.io/part-of": "servefleet", "app.kubernetes.io/component": "gateway"},
+        {"app.kubernetes.io/part-of": "servefleet", "app.kubernetes.io/component": "autoscaler"},
+        {"servefleet.io/engine-client": "true"},
+    ]
+    assert all(p["namespaceSelector"] == {} for p in rule["from"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "env_name", "key_args"),
+    [
+        ("servefleet", "SERVEFLEET_API_KEY", []),
+        ("vllm", "VLLM_API_KEY", []),
+        ("sglang", "SERVEFLEET_API_KEY", ["--api-key", "$(SERVEFLEET_API_KEY)"]),
+    ],
+)
+def test_engines_require_the_key_from_the_operator_secret(
+    kind: str, env_name: str, key_args: list[str]
+) -> None:
+    source = (
+        {"builtin": "smollm2-135m-instruct"} if kind == "servefleet" else {"url": "https://x/m"}
+    )
+    spec = {"model": {"name": "m", "source": source}, "engine": {"kind": kind, "args": ["--x"]}}
+    container = pod_spec(spec)["containers"][0]
+    assert container["env"][0] == {
+        "name": env_name,
+        "valueFrom": {"secretKeyRef": {"name": "m1-engine-key", "key": "api-key"}},
+    }
+    args = container["args"]
+    assert args[-1] == "--x"  # the user's flags still come last
+    assert args[len(args) - 1 - len(key_args) : -1] == key_args
+
+
+def test_engine_key_secret_is_random_and_only_made_when_the_spec_names_none() -> None:
+    dep = example()
+    first, second = render.engine_key_secret_for(dep), render.engine_key_secret_for(dep)
+    assert first is not None and second is not None
+    assert first["metadata"]["name"] == "smollm2-engine-key"
+    assert first["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert first["data"]["api-key"] != second["data"]["api-key"]
+    named = make(
+        {
+            "model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}},
+            "engine": {"apiKeySecretRef": {"name": "mine", "key": "k"}},
+        }
+    )
+    assert render.engine_key_secret_for(named) is None
+    env = render.engine_pod_template(named, SETTINGS)["spec"]["containers"][0]["env"]
+    assert env[0]["valueFrom"] == {"secretKeyRef": {"name": "mine", "key": "k"}}
+    route = yaml.safe_load(render.gateway_route_configmap(named)["data"][ROUTE_GATEWAY_KEY])
+    assert route["deployments"][0]["engine_api_key"] == {
+        "file": "/etc/servefleet/secrets/ns/mine/k"
+    }
+
+
+def test_gateway_route_references_the_engine_key_never_its_value() -> None:
+    config = GatewayConfig.model_validate(
+        yaml.safe_load(render.gateway_route_configmap(example())["data"][ROUTE_GATEWAY_KEY])
+    )
+    key = config.deployments[0].engine_api_key
+    assert key is not None
+    assert key.file == "/etc/servefleet/secrets/default/smollm2-engine-key/api-key"

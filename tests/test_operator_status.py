@@ -17,7 +17,7 @@ def dep(
         {
             "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 4},
             "spec": {
-                "model": {"name": "m", "source": {"builtin": "b"}},
+                "model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}},
                 "replicas": replicas,
                 "pool": {"minReplicas": min_replicas, "maxReplicas": 5},
             },

@@ -47,8 +47,9 @@ build_module() {  # build_module MODULE_DIR LDFLAGS NAME=PACKAGE...
   echo "build.sh: building ${names[*]} (many minutes the first time)..." >&2
   local start=$SECONDS out
   out="$(mktemp -d "$bin/.build.XXXXXX")"
+  # go prints a line per module it downloads (hundreds): keep the log to this script's lines.
   (cd "$here/$module_dir" && nice -n 19 go build -p "$jobs" -trimpath -ldflags "$ldflags" \
-    -o "$out/" "${packages[@]}")
+    -o "$out/" "${packages[@]}") 2> >(grep -v '^go: downloading ' >&2)
   local i built
   for i in "${!names[@]}"; do
     built="$(basename "${packages[$i]}")"  # go names a .../server/v3 main "server"

@@ -18,6 +18,9 @@ LABEL_ENGINE = f"{API_GROUP}/engine"
 """On engine pods: the engine kind (servefleet, vllm, sglang)."""
 LABEL_GATEWAY_ROUTE = f"{API_GROUP}/gateway-route"
 """'true' on the route ConfigMaps the gateway watches."""
+LABEL_ENGINE_CLIENT = f"{API_GROUP}/engine-client"
+"""'true' on a pod (e.g. Prometheus) the engine NetworkPolicy lets reach engine pods,
+besides the chart's gateway and autoscaler."""
 
 COMPONENT_ENGINE = "engine"
 COMPONENT_GATEWAY_ROUTE = "gateway-route"
@@ -28,6 +31,12 @@ LABEL_APP_NAME = "app.kubernetes.io/name"
 LABEL_APP_INSTANCE = "app.kubernetes.io/instance"
 LABEL_APP_PART_OF = "app.kubernetes.io/part-of"
 LABEL_APP_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_APP_COMPONENT = "app.kubernetes.io/component"
+"""On the chart's pods: which component (CHART_COMPONENT_GATEWAY, CHART_COMPONENT_AUTOSCALER)."""
+CHART_COMPONENT_GATEWAY = "gateway"
+GATEWAY_INTERNAL_PORT_NAME = "internal"
+"""Named port of the gateway's /metrics and /internal/* (the autoscaler and Prometheus use it)."""
+CHART_COMPONENT_AUTOSCALER = "autoscaler"
 PART_OF = "servefleet"
 ENGINE_APP_NAME = "servefleet-engine"
 
@@ -66,6 +75,15 @@ SECRETS_MOUNT = "/etc/servefleet/secrets"
 def engine_object_name(deployment: str) -> str:
     """Name of the engine Deployment, Service, PodDisruptionBudget and ServiceMonitor."""
     return f"{deployment}-engine"
+
+
+def engine_key_secret_name(deployment: str) -> str:
+    """Name of the Secret the operator creates with the engine API key (when the spec names
+    none); its key is ENGINE_KEY_SECRET_KEY."""
+    return f"{deployment}-engine-key"
+
+
+ENGINE_KEY_SECRET_KEY = "api-key"
 
 
 def route_object_name(deployment: str) -> str:

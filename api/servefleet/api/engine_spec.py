@@ -61,8 +61,22 @@ class ResourceRequirements(ApiModel):
 
     def gpus(self) -> int:
         """GPUs asked for (limits win, as for extended resources requests must equal limits)."""
-        raw = self.limits.get("nvidia.com/gpu", self.requests.get("nvidia.com/gpu", 0))
+        raw = self.limits.get(GPU_RESOURCE, self.requests.get(GPU_RESOURCE, 0))
         return int(raw)
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# The CEL twin of ResourceRequirements.gpus(); int-or-string reads as a string either way.
+_CEL_GPUS = (
+    "(has(self.resources.limits) && 'nvidia.com/gpu' in self.resources.limits ? "
+    "int(string(self.resources.limits['nvidia.com/gpu'])) : "
+    "has(self.resources.requests) && 'nvidia.com/gpu' in self.resources.requests ? "
+    "int(string(self.resources.requests['nvidia.com/gpu'])) : 0)"
+)
+TP_GPUS_MESSAGE = (
+    "engine.tensorParallelSize must not exceed the GPUs of one replica "
+    "(engine.resources.limits['nvidia.com/gpu'])"
+)
 
 
 class EngineSpec(ApiModel):
@@ -79,6 +93,10 @@ class EngineSpec(ApiModel):
                 cel_rule(
                     "self.kind != 'servefleet' || self.dtype != 'float16'",
                     "engine.kind servefleet supports dtype auto, float32 or bfloat16",
+                ),
+                cel_rule(
+                    f"self.tensorParallelSize <= 1 || self.tensorParallelSize <= {_CEL_GPUS}",
+                    TP_GPUS_MESSAGE,
                 ),
             ]
         }
@@ -140,6 +158,17 @@ class EngineSpec(ApiModel):
         ge=0,
         description="How long a stopping replica finishes in-flight requests (SIGTERM drain).",
     )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        description="Context length cap in tokens, prompt plus completion (engine default: "
+        "the model's).",
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Key engine pods require from callers (the gateway sends it); unset: the "
+        "operator creates a Secret '<name>-engine-key' holding a random one.",
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -164,4 +193,6 @@ class EngineSpec(ApiModel):
             )
         if self.kind == "servefleet" and self.dtype == "float16":
             raise ValueError("engine.kind servefleet supports dtype auto, float32 or bfloat16")
+        if self.tensor_parallel_size > max(1, self.resources.gpus()):
+            raise ValueError(TP_GPUS_MESSAGE)
         return self

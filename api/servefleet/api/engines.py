@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from servefleet.api.llmdeployment import EngineKind, LLMDeploymentSpec
+from servefleet.api.llmdeployment import VLLM_QUANTIZATIONS, EngineKind, LLMDeploymentSpec
 
 LISTEN_ALL = "0.0.0.0"
 """The host a pod's engine binds: every interface, as probes and the Service reach it."""
@@ -58,14 +58,34 @@ class EngineAdapter:
     metrics: MetricNames
     build_args: ArgsBuilder
     needs_shared_memory: bool
+    api_key_env: str
+    """Environment variable the engine reads its API key from (the pod sets it from a Secret)."""
+    api_key_flag: str | None
+    """Flag for engines that read the key only from their command line: passed
+    `$(api_key_env)`, which the kubelet expands, so the key stays out of the pod spec."""
+    run_as_user: int | None
+    """Non-root user of the default image; None: the image runs as root (vLLM, SGLang)."""
 
-    def args(self, spec: LLMDeploymentSpec, model_path: str, listen: EngineListen) -> list[str]:
-        """Every engine flag: ours from the spec, then the user's extra args (which win)."""
-        return [*self.build_args(spec, model_path, listen), *spec.engine.args]
+    def args(
+        self,
+        spec: LLMDeploymentSpec,
+        model_path: str,
+        listen: EngineListen,
+        *,
+        api_key: bool = False,
+    ) -> list[str]:
+        """Every engine flag: ours from the spec (with `api_key`: those requiring the key
+        in `api_key_env`), then the user's extra args (which win)."""
+        key = self.api_key_args() if api_key else []
+        return [*self.build_args(spec, model_path, listen), *key, *spec.engine.args]
 
     def pod_listen(self) -> EngineListen:
         """Where the engine listens inside a pod."""
         return EngineListen(host=LISTEN_ALL, port=self.port)
+
+    def api_key_args(self) -> list[str]:
+        """Flags that make a pod's engine require the key in `api_key_env`."""
+        return [] if self.api_key_flag is None else [self.api_key_flag, f"$({self.api_key_env})"]
 
 
 def _common(flag: str, spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
@@ -98,7 +118,15 @@ def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) 
         flags += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
     if not engine.prefix_caching:
         flags.append("--no-prefix-caching")
+    if engine.max_model_len is not None:
+        flags += ["--max-model-len", str(engine.max_model_len)]
     return flags
+
+
+def _quantization(spec: LLMDeploymentSpec) -> list[str]:
+    """vLLM and SGLang spell it alike; GGUF kinds and 'none' are read from the weights."""
+    kind = spec.model.quantization
+    return ["--quantization", kind] if kind in VLLM_QUANTIZATIONS else []
 
 
 def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
@@ -118,7 +146,9 @@ def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> lis
     flags.append(
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
     )
-    return flags
+    if engine.max_model_len is not None:
+        flags += ["--max-model-len", str(engine.max_model_len)]
+    return flags + _quantization(spec)
 
 
 def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
@@ -135,7 +165,9 @@ def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> l
         flags += ["--chunked-prefill-size", str(engine.max_num_batched_tokens)]
     if not engine.prefix_caching:
         flags.append("--disable-radix-cache")
-    return flags
+    if engine.max_model_len is not None:
+        flags += ["--context-length", str(engine.max_model_len)]
+    return flags + _quantization(spec)
 
 
 # Our engine exports vLLM's names on purpose: one row for routers and autoscalers.
@@ -158,6 +190,9 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         metrics=_VLLM_METRICS,
         build_args=_servefleet_args,
         needs_shared_memory=False,
+        api_key_env="SERVEFLEET_API_KEY",
+        api_key_flag=None,
+        run_as_user=10001,  # the Dockerfile's engine user
     ),
     "vllm": EngineAdapter(
         kind="vllm",
@@ -171,6 +206,9 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         metrics=_VLLM_METRICS,
         build_args=_vllm_args,
         needs_shared_memory=True,
+        api_key_env="VLLM_API_KEY",  # vLLM's own fallback for --api-key
+        api_key_flag=None,
+        run_as_user=None,
     ),
     "sglang": EngineAdapter(
         kind="sglang",
@@ -188,6 +226,9 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         ),
         build_args=_sglang_args,
         needs_shared_memory=True,
+        api_key_env="SERVEFLEET_API_KEY",
+        api_key_flag="--api-key",
+        run_as_user=None,
     ),
 }
 

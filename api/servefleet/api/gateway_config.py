@@ -156,6 +156,10 @@ class GatewayDeployment(ConfigModel):
     tenants: list[TenantAccess] = Field(default_factory=list)
     spillover: SpilloverSpec | None = None
     spillover_api_key: SecretValueRef | None = None
+    engine_api_key: SecretValueRef | None = Field(
+        default=None,
+        description="Key the engines require (sent as a Bearer token); unset: engines are open.",
+    )
     default_max_tokens: int = Field(
         default=512, ge=1, description="Reserved completion tokens when a request sets none."
     )
@@ -197,9 +201,24 @@ class GatewayConfig(ConfigModel):
     internal_api_key: SecretValueRef | None = Field(
         default=None, description="Bearer key for POST /internal/...; unset = no auth (local mode)."
     )
+    internal_port: int | None = Field(
+        default=8090,
+        ge=0,
+        le=65535,
+        description="Port of /metrics and /internal/* (never the tenant port: metrics name "
+        "tenants); unset = not served (in-process use).",
+    )
+    tenant_series_limit: int = Field(
+        default=100,
+        ge=0,
+        description="Tenants with their own metric series; later ones are summed in "
+        'tenant="_other", so a tenant-heavy gateway cannot flood Prometheus.',
+    )
 
     @model_validator(mode="after")
     def _references(self) -> GatewayConfig:
+        if self.internal_port is not None and self.internal_port == self.port != 0:
+            raise ValueError("internal_port must differ from the tenant port")
         names = [d.name for d in self.deployments]
         if len(set(names)) != len(names):
             raise ValueError("deployments: duplicate names")
@@ -270,6 +289,7 @@ def render_gateway_config(
     key_source: KeySource,
     *,
     services: Mapping[str, ServiceRef] | None = None,
+    engine_keys: Mapping[str, SecretKeyRef] | None = None,
     host: str = "0.0.0.0",
     port: int = 8080,
     redis: RedisConfig | None = None,
@@ -277,8 +297,9 @@ def render_gateway_config(
     """The gateway config for a set of LLMDeployments.
 
     `endpoints` maps a deployment name to static replica URLs (local mode); `services` maps it
-    to the headless Service to watch (Kubernetes). A tenant listed in several deployments must
-    have the same key and tenant-wide limits in each (they are one tenant).
+    to the headless Service to watch (Kubernetes) and `engine_keys` to the Secret key its
+    engine pods require (Kubernetes; local engines are open). A tenant listed in several
+    deployments must have the same key and tenant-wide limits in each (they are one tenant).
     """
     tenants: dict[str, GatewayTenant] = {}
     rendered: list[GatewayDeployment] = []
@@ -311,6 +332,7 @@ def render_gateway_config(
         spill_key = None
         if spill is not None and spill.enabled and spill.api_key_secret_ref is not None:
             spill_key = key_source.secret_value(spill.api_key_secret_ref)
+        engine_key_ref = (engine_keys or {}).get(dep.name)
         rendered.append(
             GatewayDeployment(
                 name=dep.name,
@@ -326,6 +348,9 @@ def render_gateway_config(
                 tenants=access,
                 spillover=spill if spill is not None and spill.enabled else None,
                 spillover_api_key=spill_key,
+                engine_api_key=(
+                    None if engine_key_ref is None else key_source.secret_value(engine_key_ref)
+                ),
             )
         )
     return GatewayConfig(

@@ -44,11 +44,24 @@ class DeploymentStats(_StatsModel):
     queue_depth_interactive: int = Field(default=0, ge=0)
     queue_depth_batch: int = Field(default=0, ge=0)
     in_flight: int = Field(default=0, ge=0)
+    in_flight_batch: int = Field(
+        default=0, ge=0, description="of in_flight, batch requests: load that buys no replicas"
+    )
     service_rate: float = Field(default=0.0, ge=0, description="req/s the ready replicas complete")
     completions_per_second: float = Field(default=0.0, ge=0, description="last minute")
+    spilled_per_second: float = Field(
+        default=0.0, ge=0, description="requests sent to the hosted API instead, last minute"
+    )
+    spilled_tokens_per_second: float = Field(
+        default=0.0,
+        ge=0,
+        description="their tokens (prompt + completion budget, an upper bound), last minute",
+    )
     mean_service_seconds: float | None = None
     cold_start_seconds: float | None = Field(default=None, description="measured, else the prior")
-    queue_wait_p90_seconds: float | None = Field(default=None, description="last minute")
+    queue_wait_p90_seconds: float | None = Field(
+        default=None, description="interactive requests, last minute"
+    )
     ttft_p90_seconds: float | None = Field(default=None, description="last minute")
     prompt_token_count: Literal["estimate", "tokenizer"] = "estimate"
     ready_replicas: int = Field(default=0, ge=0)

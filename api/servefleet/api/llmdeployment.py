@@ -3,8 +3,10 @@ the gateway and local mode, so the schema Kubernetes enforces and the one Python
 validates can never disagree (the CRD is generated from these classes).
 
 The spec's larger sections live in their own modules (`engine_spec`: the engine;
-`traffic`: tenants and spill-over) on the common base in `api_model`; this module
-re-exports them, so `servefleet.api.llmdeployment` names every part of the resource.
+`model_source`: where weights come from and their cache; `traffic`: tenants and
+spill-over; `deployment_status`: what the operator observed) on the common base in
+`api_model`; this module re-exports them, so `servefleet.api.llmdeployment` names every
+part of the resource.
 """
 
 from __future__ import annotations
@@ -15,7 +17,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
+from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
 from servefleet.api.engine_spec import Dtype, EngineKind, EngineSpec, EnvVar, ResourceRequirements
+from servefleet.api.model_source import (
+    HostPathModelCache,
+    HuggingFaceSource,
+    ModelCache,
+    ModelSource,
+    OciImageSource,
+    PvcModelCache,
+    PvcModelSource,
+    S3Source,
+    cache_rule,
+    check_cache,
+)
+from servefleet.api.scaling_prices import ScalingPrices
+from servefleet.api.scheduling import SchedulingSpec
 from servefleet.api.traffic import (
     SpilloverSpec,
     SpilloverWhen,
@@ -38,59 +55,19 @@ MAX_NAME_LENGTH = 40
 # --------------------------------------------------------------------------- model
 
 
-class PvcModelSource(ApiModel):
-    """A Hugging Face model folder (config.json, tokenizer, safetensors) on a volume."""
-
-    claim_name: str = Field(
-        description="PersistentVolumeClaim holding the model folder; mounted read-only."
-    )
-    path: str = Field(
-        default="",
-        description="Folder of the model inside the volume, relative to its root ('' = the root).",
-        pattern=r"^[^/].*$|^$",
-    )
-
-
-class ModelSource(ApiModel):
-    """Where the weights come from; exactly one of builtin, pvc or url."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel_rule(
-                    "[has(self.builtin), has(self.pvc), has(self.url)].exists_one(x, x)",
-                    "model.source needs exactly one of builtin, pvc or url",
-                )
-            ]
-        }
-    )
-
-    builtin: str | None = Field(
-        default=None,
-        description="A model shipped with the servefleet image, e.g. 'smollm2-135m-instruct'.",
-        pattern=r"^[a-z0-9][a-z0-9._-]*$",
-    )
-    pvc: PvcModelSource | None = Field(
-        default=None, description="A Hugging Face model folder on a PersistentVolumeClaim."
-    )
-    url: str | None = Field(
-        default=None,
-        description="http(s) URL of a weights file (e.g. GGUF), fetched before the engine starts.",
-        pattern=r"^https?://.+",
-    )
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> ModelSource:
-        if sum(x is not None for x in (self.builtin, self.pvc, self.url)) != 1:
-            raise ValueError("model.source needs exactly one of builtin, pvc or url")
-        return self
-
-
 Quantization = Literal["none", "q4_0", "q4_1", "q8_0", "awq", "gptq", "fp8"]
+VLLM_QUANTIZATIONS = ("awq", "gptq", "fp8")
+"""Quantizations vLLM and SGLang load (passed as --quantization); GGUF files carry their own."""
+QUANTIZATION_MESSAGE = (
+    "model.quantization awq, gptq and fp8 need engine.kind vllm or sglang "
+    "(servefleet reads the quantization a GGUF file carries)"
+)
 
 
 class ModelSpec(ApiModel):
     """The model this deployment serves."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cache_rule()]})
 
     name: str = Field(
         description="Model name clients send in the OpenAI 'model' field.",
@@ -99,10 +76,21 @@ class ModelSpec(ApiModel):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
     )
     source: ModelSource = Field(description="Where the weights come from.")
+    cache: ModelCache | None = Field(
+        default=None,
+        description="Where downloads are kept (url, huggingface, s3), so the second replica "
+        "and every restart load from disk; unset = each pod downloads into an emptyDir.",
+    )
     quantization: Quantization = Field(
         default="none",
-        description="Weight quantization; 'none' loads weights as stored (GGUF carries its own).",
+        description="Weight quantization: awq, gptq and fp8 are passed to vLLM/SGLang as "
+        "--quantization; 'none' and the GGUF kinds load weights as stored (GGUF carries its own).",
     )
+
+    @model_validator(mode="after")
+    def _cache_for_downloads(self) -> ModelSpec:
+        check_cache(self.source, self.cache)
+        return self
 
 
 # --------------------------------------------------------------------------- pool and scaling
@@ -165,6 +153,10 @@ class AutoscalingSpec(ApiModel):
         description="Seconds of time-to-first-token to stay under (unset = not watched).",
     )
     interval: float = Field(default=5.0, gt=0, description="Seconds between autoscaling decisions.")
+    prices: ScalingPrices | None = Field(
+        default=None,
+        description="Replica and hosted-API prices: spill-over is weighed against new replicas.",
+    )
 
 
 class AdmissionSpec(ApiModel):
@@ -199,6 +191,11 @@ class LLMDeploymentSpec(ApiModel):
                     "self.engine.kind == 'servefleet' || !has(self.model.source.builtin)",
                     "model.source.builtin models run only on engine.kind servefleet",
                 ),
+                cel_rule(
+                    "self.engine.kind != 'servefleet' || "
+                    "!(self.model.quantization in ['awq', 'gptq', 'fp8'])",
+                    QUANTIZATION_MESSAGE,
+                ),
             ]
         }
     )
@@ -228,6 +225,9 @@ class LLMDeploymentSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     spillover: SpilloverSpec | None = Field(default=None, description="Overflow to a hosted API.")
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec, description="Where engine pods run."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> LLMDeploymentSpec:
@@ -244,6 +244,8 @@ class LLMDeploymentSpec(ApiModel):
                 )
         if self.engine.kind != "servefleet" and self.model.source.builtin is not None:
             raise ValueError("model.source.builtin models run only on engine.kind servefleet")
+        if self.engine.kind == "servefleet" and self.model.quantization in VLLM_QUANTIZATIONS:
+            raise ValueError(QUANTIZATION_MESSAGE)
         return self
 
     def desired_replicas(self) -> int:
@@ -264,62 +266,6 @@ class LLMDeploymentSpec(ApiModel):
                 f"spec.replicas {self.replicas} is above pool.maxReplicas {self.pool.max_replicas}"
             )
         return f"spec.replicas {self.replicas} is below pool.minReplicas {self.pool.min_replicas}"
-
-
-# --------------------------------------------------------------------------- status
-
-
-ConditionType = Literal["Ready", "Progressing", "Degraded", "ScalingLimited"]
-
-
-class Condition(ApiModel):
-    """A standard Kubernetes condition."""
-
-    type: str = Field(description="Ready, Progressing or Degraded.")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: str = Field(default="", description="CamelCase reason for the last transition.")
-    message: str = Field(default="", description="Human-readable detail.")
-    last_transition_time: str | None = Field(
-        default=None,
-        description="When the status last changed (RFC 3339).",
-        json_schema_extra={"format": "date-time"},
-    )
-    observed_generation: int | None = Field(
-        default=None, description="Generation this condition was computed for."
-    )
-
-
-class LLMDeploymentStatus(ApiModel):
-    """What the operator observed; written through the status subresource."""
-
-    observed_generation: int = Field(
-        default=0, description="Last spec generation the operator acted on."
-    )
-    replicas: int = Field(
-        default=0, description="Engine pods that exist (the scale subresource's status.replicas)."
-    )
-    desired_replicas: int = Field(default=0, description="Replicas the operator is converging to.")
-    ready_replicas: int = Field(default=0, description="Replicas with the model loaded and ready.")
-    warm_replicas: int = Field(
-        default=0, description="Ready replicas counted toward the warm minimum."
-    )
-    queue_depth: int = Field(
-        default=0, description="Requests waiting in the gateway for this deployment."
-    )
-    endpoint: str = Field(
-        default="", description="OpenAI base URL that serves this model (through the gateway)."
-    )
-    selector: str = Field(
-        default="", description="Label selector of the engine pods (for the scale subresource)."
-    )
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        description="Ready, Progressing and Degraded.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-
-    def condition(self, type_: str) -> Condition | None:
-        return next((c for c in self.conditions if c.type == type_), None)
 
 
 # --------------------------------------------------------------------------- resource
@@ -380,15 +326,23 @@ __all__ = [
     "EngineKind",
     "EngineSpec",
     "EnvVar",
+    "HostPathModelCache",
+    "HuggingFaceSource",
     "LLMDeployment",
     "LLMDeploymentSpec",
     "LLMDeploymentStatus",
+    "ModelCache",
     "ModelSource",
     "ModelSpec",
     "ObjectMeta",
+    "OciImageSource",
     "PoolSpec",
+    "PvcModelCache",
     "PvcModelSource",
     "ResourceRequirements",
+    "S3Source",
+    "ScalingPrices",
+    "SchedulingSpec",
     "SecretKeyRef",
     "SpilloverSpec",
     "SpilloverWhen",

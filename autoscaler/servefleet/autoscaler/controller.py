@@ -52,6 +52,7 @@ class DeploymentAutoscaler:
         decision = decide(observation, self.targets, now, self.state)
         self.state = decision.state
         self._metrics.record(self.name, decision)
+        self._metrics.max_replicas.labels(self.name).set(self.targets.max_replicas)
         if self.last is None or (decision.desired, decision.reason) != (
             self.last.desired,
             self.last.reason,

@@ -29,12 +29,14 @@ same load's noise: the difference between a hold and an up-down-up."""
 
 
 def interactive_demand(observation: Observation, count_spilled: bool) -> float:
-    """Requests that need a slot now: the interactive queue plus everything in flight.
+    """Interactive requests that need a slot now: queued plus in flight.
 
-    Queued batch requests may wait, so they buy nothing by themselves. Spilled requests count
+    Batch requests, queued or running, may wait, so they buy nothing by themselves (counted,
+    a running backlog would buy replicas that only let more of it run). Spilled requests count
     (as the slots they would hold, by Little's law) only once buying is cheaper than renting.
     """
-    demand = float(observation.demand - observation.gateway_queued_batch)
+    batch = observation.gateway_queued_batch + observation.in_flight_batch
+    demand = float(max(0, observation.demand - batch))
     if count_spilled and observation.mean_service_s is not None:
         demand += observation.spilled_per_s * observation.mean_service_s
     return demand

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import httpx
 
+from servefleet.api.conventions import GATEWAY_INTERNAL_PORT_NAME
 from servefleet.api.gateway_stats import DeploymentStats, GatewayReplicaStats
 from servefleet.kube import KubeClient, KubeError
 from servefleet.kube.endpoints import service_selector, slice_endpoints
@@ -58,7 +59,10 @@ def _sum_deployment(views: list[DeploymentStats]) -> DeploymentStats:
             "queue_depth_interactive": sum(v.queue_depth_interactive for v in views),
             "queue_depth_batch": sum(v.queue_depth_batch for v in views),
             "in_flight": sum(v.in_flight for v in views),
+            "in_flight_batch": sum(v.in_flight_batch for v in views),
             "completions_per_second": sum(v.completions_per_second for v in views),
+            "spilled_per_second": sum(v.spilled_per_second for v in views),
+            "spilled_tokens_per_second": sum(v.spilled_tokens_per_second for v in views),
             "service_rate": max(v.service_rate for v in views),
             "mean_service_seconds": _max(v.mean_service_seconds for v in views),
             "cold_start_seconds": _max(v.cold_start_seconds for v in views),
@@ -91,7 +95,7 @@ class GatewayFleetSource:
         service: str,
         client: httpx.AsyncClient,
         *,
-        port_name: str = "http",
+        port_name: str = GATEWAY_INTERNAL_PORT_NAME,
         api_key: str | None = None,
     ) -> None:
         self._kube = kube

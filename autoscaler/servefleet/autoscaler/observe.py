@@ -121,7 +121,10 @@ async def observe_deployment(
         queue_wait_s=gateway.queue_wait_p90_seconds if gateway else None,
         ttft_s=gateway.ttft_p90_seconds if gateway else None,
         gateway_queued_batch=gateway.queue_depth_batch if gateway else 0,
+        in_flight_batch=gateway.in_flight_batch if gateway else 0,
         mean_service_s=(gateway.mean_service_seconds or None) if gateway else None,
+        spilled_per_s=gateway.spilled_per_second if gateway else 0.0,
+        spilled_tokens_per_s=gateway.spilled_tokens_per_second if gateway else 0.0,
         unknown=() if gateway_known else ("gateway",),
     )
 

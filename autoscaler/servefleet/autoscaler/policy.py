@@ -38,6 +38,7 @@ class PolicyState(BaseModel):
     )
     cold_start_s: float | None = Field(default=None, description="measured, smoothed")
     spill_spend: float = Field(default=0.0, description="spent on the current spill-over")
+    last_spill_at: float | None = Field(default=None, description="when spill-over was last seen")
 
 
 class Decision(BaseModel):
@@ -80,6 +81,7 @@ class _Tick(BaseModel):
     waiting: int
     spill_budget: float
     spill_bought: bool
+    renting_recently: bool
 
 
 def decide(
@@ -190,6 +192,7 @@ def _observe(
     known = fresh and not observation.unknown
     spend, budget = _spill_spend(observation, targets, now, state, cold)
     bought = not targets.prices_spill or spend >= budget * (1 - 1e-9)  # float sums
+    last_spill = now if observation.spilled_per_s > 0 else state.last_spill_at
     sample = dm.interactive_demand(observation, count_spilled=bought)
     window_s = dm.level_window_s(targets.scale_down_delay_s)
     prior = dm.window(state.demand_history, now, window_s)
@@ -226,6 +229,9 @@ def _observe(
         waiting=dm.waiting(observation),
         spill_budget=budget,
         spill_bought=bought,
+        renting_recently=targets.prices_spill
+        and _spilled_within(last_spill, now, window_s)
+        and (observation.spilled_per_s <= 0 or not bought),
     )
     new_state = PolicyState(
         first_seen=state.first_seen if state.first_seen is not None else now,
@@ -234,6 +240,7 @@ def _observe(
         starting_since=starting_since,
         cold_start_s=cold_start,
         spill_spend=spend,
+        last_spill_at=last_spill,
     )
     return tick, new_state
 
@@ -264,6 +271,7 @@ def _scale_up_target(
             size, reason = ahead, Reason.PREDICTED_GROWTH
     if (
         tick.coming == 0
+        and not tick.renting_recently  # priced spill-over took the overflow: rent-or-buy decides
         and _more_replicas_help(observation, tick)
         and _latency_over_target(observation, targets)
     ):
@@ -290,6 +298,11 @@ def _renting(observation: Observation, targets: ScalingTargets, tick: _Tick) -> 
         and not tick.spill_bought
         and tick.current > 0
     )
+
+
+def _spilled_within(last_spill: float | None, now: float, window_s: float) -> bool:
+    """Spilling now, or paused for less than the level window: still the same spill-over."""
+    return last_spill is not None and now - last_spill <= window_s
 
 
 def _first_seen(state: PolicyState, now: float) -> float:
@@ -345,7 +358,8 @@ def _spill_spend(
     A replica bought now costs at least a cold start plus the scale-down delay, and arrives a
     cold start late; so spill-over continues until it has cost that much (the classic
     rent-or-buy rule, never worse than twice the best choice in hindsight). A spike shorter
-    than that is served by the hosted API alone.
+    than that is served by the hosted API alone. `spill_patience` scales that budget, for
+    traffic whose bursts are known to be shorter (or longer) than a cold start.
     """
     if not targets.prices_spill or observation.spilled_per_s <= 0:
         return 0.0, 0.0
@@ -358,7 +372,8 @@ def _spill_spend(
     slots = observation.spilled_per_s * (observation.mean_service_s or 0.0)
     replicas = max(1, math.ceil(slots / targets.target_per_replica))
     commitment_h = (cold_start_s + targets.scale_down_delay_s) / 3600.0
-    return spend, replicas * targets.replica_cost_per_hour * commitment_h
+    budget = replicas * targets.replica_cost_per_hour * commitment_h * targets.spill_patience
+    return spend, budget
 
 
 def _track_cold_starts(

@@ -57,6 +57,12 @@ class Observation(BaseModel):
         description="of gateway_queued, batch-class requests: they may wait or spill, and buy "
         "no replicas by themselves",
     )
+    in_flight_batch: int = Field(
+        default=0,
+        ge=0,
+        description="of the requests in flight on replicas, batch ones (the gateway knows the "
+        "class, engines do not): load, but no demand that buys replicas",
+    )
     gateways: int = Field(
         default=1, ge=0, description="gateway replicas whose counts were summed into this one"
     )

@@ -13,6 +13,7 @@ DEFAULT_COLD_START_S = 30.0
 def targets_from_spec(
     spec: LLMDeploymentSpec, cold_start_s: float = DEFAULT_COLD_START_S
 ) -> ScalingTargets:
+    prices = spec.autoscaling.prices
     return ScalingTargets(
         min_replicas=spec.pool.min_replicas,
         max_replicas=spec.pool.max_replicas,
@@ -21,4 +22,7 @@ def targets_from_spec(
         queue_wait_target_s=spec.autoscaling.queue_wait_target,
         ttft_target_s=spec.autoscaling.ttft_target,
         default_cold_start_s=cold_start_s,
+        replica_cost_per_hour=prices.replica_hour if prices else None,
+        spill_cost_per_million_tokens=prices.spill_per_million_tokens if prices else None,
+        spill_patience=prices.spill_patience if prices else 1.0,
     )

@@ -36,6 +36,13 @@ class ScalingTargets(BaseModel):
     spill_cost_per_million_tokens: float | None = Field(
         default=None, gt=0, description="hosted-API price of spilled prompt + completion tokens"
     )
+    spill_patience: float = Field(
+        default=1.0,
+        gt=0,
+        description="how many times the least that replicas would cost the spill-over may cost "
+        "before replicas are bought: 1 is the classic rent-or-buy; more spills longer (cheaper "
+        "where bursts are shorter than a cold start), less buys sooner",
+    )
 
     @property
     def prices_spill(self) -> bool:

@@ -49,6 +49,12 @@ class AutoscalerMetrics:
             labels,
             registry=self.registry,
         )
+        self.max_replicas = Gauge(
+            "servefleet_autoscaler_max_replicas",
+            "The deployment's maxReplicas (alerts compare the pool's size with it).",
+            labels,
+            registry=self.registry,
+        )
         self.errors = Counter(
             "servefleet_autoscaler_errors",
             "Ticks that failed to observe or actuate.",

@@ -73,6 +73,17 @@ class BenchRun:
     results: list[RequestResult]
 
 
+class BenchProgress:
+    """What a progress display is told: the phase starting (with its request count), and
+    each request as it finishes."""
+
+    def phase(self, name: str, total: int) -> None:
+        pass
+
+    def finished(self, result: RequestResult) -> None:
+        pass
+
+
 def make_prompts(options: BenchOptions) -> tuple[list[Prompt], list[Prompt]]:
     """(measured, warm-up) prompts.
 
@@ -101,22 +112,28 @@ async def run_prompts(
     prompts: list[Prompt],
     warmup_prompts: list[Prompt],
     parameters: dict[str, Any],
+    progress: BenchProgress | None = None,
 ) -> BenchRun:
     """Warm up (results dropped), then measure `prompts` from first send to last byte."""
+    progress = progress or BenchProgress()
     async with make_http_client(config) as http:
         client = BenchClient(config, http)
         if warmup_prompts:
-            await client.run(warmup_prompts)
+            progress.phase("warm-up", len(warmup_prompts))
+            await client.run(warmup_prompts, progress.finished)
+        progress.phase("measure", len(prompts))
         start = time.perf_counter()
-        results = await client.run(prompts)
+        results = await client.run(prompts, progress.finished)
         duration = time.perf_counter() - start
     params = {**parameters, "stream_usage": client.include_usage}
     return BenchRun(summary=summarize(results, duration, params), results=results)
 
 
-async def run_benchmark(options: BenchOptions) -> BenchRun:
+async def run_benchmark(options: BenchOptions, progress: BenchProgress | None = None) -> BenchRun:
     prompts, warmup_prompts = make_prompts(options)
-    return await run_prompts(options.client_config(), prompts, warmup_prompts, options.parameters())
+    return await run_prompts(
+        options.client_config(), prompts, warmup_prompts, options.parameters(), progress
+    )
 
 
 def write_outputs(run: BenchRun, json_path: Path) -> Path:

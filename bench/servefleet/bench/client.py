@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -143,14 +144,19 @@ class BenchClient:
             )
         return body
 
-    async def run(self, prompts: list[Prompt]) -> list[RequestResult]:
-        """Send every prompt; results come back in prompt order, failures included."""
+    async def run(
+        self, prompts: list[Prompt], on_result: Callable[[RequestResult], None] | None = None
+    ) -> list[RequestResult]:
+        """Send every prompt; results come back in prompt order, failures included.
+        `on_result` sees each one as it finishes (progress)."""
         results: list[RequestResult | None] = [None] * len(prompts)
         next_index = iter(range(len(prompts)))
 
         async def worker() -> None:
             for i in next_index:
-                results[i] = await self._one(i, prompts[i])
+                results[i] = result = await self._one(i, prompts[i])
+                if on_result is not None:
+                    on_result(result)
 
         workers = [
             asyncio.create_task(worker())

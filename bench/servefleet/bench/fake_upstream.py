@@ -29,7 +29,7 @@ class FakeBehaviour:
     first_token_delay_s: float = 0.0
     status: int = 200  # answer every completion with this status (e.g. 500, 503)
     ready: bool = True
-    hang: bool = False  # accept the request and never answer
+    hang: bool = False  # accept the request and never answer (until the client leaves)
     require_key: str | None = None
     # Simulated prefix cache (for affinity benchmarks): prefill cost per uncached token.
     prefill_s_per_token: float = 0.0
@@ -46,6 +46,7 @@ class FakeStats:
     max_active: int = 0
     prompt_blocks: int = 0
     cached_blocks: int = 0
+    disconnects: int = 0  # hung requests whose client (the gateway) went away
 
 
 class FakeOpenAI:
@@ -97,7 +98,10 @@ class FakeOpenAI:
             self.stats.headers.append(headers)
             self.stats.arrivals.append(time.monotonic())
         if b.hang:
-            await asyncio.sleep(3600)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.stats.disconnects += 1
+            return
         if b.status != 200:
             retry = [(b"retry-after", b"1")] if b.status == 503 else []
             await _send(

@@ -26,7 +26,7 @@ def read_access_log(path: Path, deployment: str | None = None) -> Trace:
         lines = [
             line
             for line in parse_lines(handle)
-            if deployment is None or line.deployment == deployment
+            if line.offered_to_pool and (deployment is None or line.deployment == deployment)
         ]
     if not lines:
         raise ValueError(f"{path}: no requests" + (f" for {deployment}" if deployment else ""))

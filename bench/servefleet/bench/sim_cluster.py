@@ -50,6 +50,7 @@ class SimReplica:
     state: ReplicaState
     created_s: float
     in_flight: int = 0
+    batch_in_flight: int = 0
 
 
 @dataclass
@@ -62,6 +63,7 @@ class ClusterView:
     recent_waits_s: list[float]
     concurrency: int
     queued_batch: int = 0
+    in_flight_batch: int = 0
     spilled_per_s: float = 0.0
     spilled_tokens_per_s: float = 0.0
     mean_service_s: float | None = None
@@ -101,7 +103,7 @@ class SimResult:
         return float(np.mean(self.waits_s <= target_s))
 
 
-_DONE, _READY, _TICK = 0, 1, 2
+_DONE, _READY, _TICK, _DONE_BATCH = 0, 1, 2, 3
 
 
 class _Sim:
@@ -115,7 +117,7 @@ class _Sim:
         self.seq = itertools.count()
         self.queues: tuple[deque[int], deque[int]] = (deque(), deque())  # interactive, batch
         self.waits = np.full(trace.arrivals_s.size, np.nan)
-        self.recent: deque[tuple[float, float]] = deque()  # (dispatched at, wait)
+        self.recent: deque[tuple[float, float]] = deque()  # (dispatched at, interactive wait)
         self.spills: deque[tuple[float, int]] = deque()  # (at, tokens)
         self.result = SimResult(policy=policy.name, waits_s=self.waits, replica_hours=0.0)
         self.last_t = 0.0
@@ -138,6 +140,7 @@ class _Sim:
 
     def dispatch(self, now: float) -> None:
         for queue in self.queues:
+            interactive = queue is self.queues[0]
             while queue:
                 ready = self.free_ready()
                 if not ready:
@@ -146,10 +149,13 @@ class _Sim:
                 idx = queue.popleft()
                 wait = now - float(self.trace.arrivals_s[idx])
                 self.waits[idx] = wait
-                self.recent.append((now, wait))
+                if interactive:  # the gateway measures interactive waits only, as here
+                    self.recent.append((now, wait))
                 target.in_flight += 1
+                target.batch_in_flight += not interactive
                 done = now + float(self.trace.service_s[idx])
-                heapq.heappush(self.events, (done, next(self.seq), _DONE, target.name))
+                kind = _DONE if interactive else _DONE_BATCH
+                heapq.heappush(self.events, (done, next(self.seq), kind, target.name))
 
     def arrive(self, idx: int, now: float) -> None:
         batch = bool(self.trace.batch[idx])
@@ -199,6 +205,7 @@ class _Sim:
             now=now,
             queued=len(self.queues[0]) + len(self.queues[1]),
             queued_batch=len(self.queues[1]),
+            in_flight_batch=sum(r.batch_in_flight for r in self.replicas.values()),
             replicas=list(self.replicas.values()),
             recent_waits_s=[w for _, w in self.recent],
             concurrency=self.cluster.concurrency,
@@ -215,9 +222,10 @@ class _Sim:
             heapq.heappush(self.events, (now + self.cluster.tick_s, next(self.seq), _TICK, ""))
 
     def on_event(self, kind: int, name: str, now: float) -> None:
-        if kind == _DONE:
+        if kind in (_DONE, _DONE_BATCH):
             replica = self.replicas[name]
             replica.in_flight -= 1
+            replica.batch_in_flight -= kind == _DONE_BATCH
             if replica.state is ReplicaState.DRAINING and replica.in_flight == 0:
                 del self.replicas[name]
         elif kind == _READY:

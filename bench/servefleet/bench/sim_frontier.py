@@ -61,6 +61,11 @@ class SweepSpec(BaseModel):
     warm_minimums: tuple[int, ...] = Field(
         default=(), description="also sweep our warm pool (which minimum meets the SLO?)"
     )
+    spill_patiences: tuple[float, ...] = Field(
+        default=(4.0, 1000.0),
+        description="our spill-heavy settings: a warm pool of each fixed size (and each warm "
+        "minimum) that spills this many times longer than rent-or-buy before buying",
+    )
 
 
 class Point(BaseModel):
@@ -83,10 +88,7 @@ class Point(BaseModel):
 def settings_for(policy: str, sweep: SweepSpec) -> list[dict[str, float]]:
     slots = sweep.cluster.concurrency
     if policy == "servefleet":
-        base = [
-            {"utilisation": u, "delay_s": d} for u in sweep.utilisations for d in sweep.delays_s
-        ]
-        return [{**b, "min_replicas": float(m)} for b in base for m in sweep.warm_minimums] or base
+        return _servefleet_settings(sweep)
     if policy == "hpa":  # a utilisation cannot be over 100 %
         return [{"utilisation": u} for u in sweep.utilisations if u <= 1.0]
     if policy == "keda":
@@ -100,6 +102,26 @@ def settings_for(policy: str, sweep: SweepSpec) -> list[dict[str, float]]:
     return [{"replicas": float(n)} for n in sweep.fixed_sizes if n <= sweep.max_replicas] or [
         {"replicas": float(slots)}
     ]
+
+
+def _servefleet_settings(sweep: SweepSpec) -> list[dict[str, float]]:
+    """The target/delay grid, plus spill-heavy warm pools: where bursts are shorter than a cold
+    start, a pool kept at its minimum that leaves bursts to the hosted API is the cheap end."""
+    base = [{"utilisation": u, "delay_s": d} for u in sweep.utilisations for d in sweep.delays_s]
+    grid = [{**b, "min_replicas": float(m)} for b in base for m in sweep.warm_minimums] or base
+    pools = sorted({*sweep.fixed_sizes, *sweep.warm_minimums})
+    spill_heavy = [
+        {
+            "utilisation": max(sweep.utilisations),
+            "delay_s": min(sweep.delays_s),
+            "min_replicas": float(m),
+            "spill_patience": p,
+        }
+        for m in pools
+        if sweep.min_replicas <= m <= sweep.max_replicas
+        for p in sweep.spill_patiences
+    ]
+    return grid + spill_heavy
 
 
 def build_policy(policy: str, settings: dict[str, float], sweep: SweepSpec) -> ScalingPolicy:
@@ -116,6 +138,7 @@ def build_policy(policy: str, settings: dict[str, float], sweep: SweepSpec) -> S
                 default_cold_start_s=sweep.cluster.cold_start_s,
                 replica_cost_per_hour=sweep.prices.replica_hour,
                 spill_cost_per_million_tokens=sweep.prices.spill_per_million_tokens,
+                spill_patience=settings.get("spill_patience", 1.0),
             )
         )
     if policy == "hpa":
@@ -133,8 +156,10 @@ def run_point(trace: Trace, policy: str, settings: dict[str, float], sweep: Swee
         cluster = cluster.model_copy(
             update={"spill": cluster.spill.model_copy(update={"enabled": False})}
         )
-    if policy == "fixed":
-        cluster = cluster.model_copy(update={"initial_replicas": int(settings["replicas"])})
+    # A pool starts warm at its own minimum, as a fixed pool starts at its size.
+    warm = settings.get("replicas", settings.get("min_replicas"))
+    if warm is not None:
+        cluster = cluster.model_copy(update={"initial_replicas": int(warm)})
     result = simulate(trace, cluster, build_policy(policy, settings, sweep))
     return point_of(trace.name, policy, settings, result, sweep)
 

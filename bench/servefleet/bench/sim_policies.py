@@ -24,6 +24,7 @@ def observation_from_view(view: ClusterView) -> Observation:
     return Observation(
         gateway_queued=view.queued,
         gateway_queued_batch=view.queued_batch,
+        in_flight_batch=view.in_flight_batch,
         replicas=tuple(
             ReplicaLoad(
                 name=r.name,

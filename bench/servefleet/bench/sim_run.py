@@ -45,6 +45,12 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--jobs", type=int, default=2, help="processes running the sweep")
     p.add_argument("--warm-minimums", default="", help="also sweep our minReplicas, e.g. 0,1,2,4")
+    p.add_argument(
+        "--spill-patiences",
+        default="4,1000",
+        help="our spill-heavy settings: warm pools that spill this many times longer than "
+        "rent-or-buy (empty: none)",
+    )
 
 
 def sweep_from_args(args: argparse.Namespace) -> SweepSpec:
@@ -70,6 +76,7 @@ def sweep_from_args(args: argparse.Namespace) -> SweepSpec:
         slo_wait_s=args.queue_wait_target,
         baseline_spill=args.baseline_spill,
         warm_minimums=tuple(int(m) for m in args.warm_minimums.split(",") if m),
+        spill_patiences=tuple(float(p) for p in args.spill_patiences.split(",") if p),
         fixed_sizes=tuple(
             sorted({*range(2, 9, 2), *range(12, args.max_replicas + 1, 4), args.max_replicas})
         ),

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from servefleet.cli.logs import setup_logging
+from servefleet.cli.logs import add_logging_arguments, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,15 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the gateway Service as NAMESPACE/NAME: every ready replica behind it is read and "
         "their queues summed (default: only --gateway-url)",
     )
-    a("--gateway-url", default="http://servefleet-gateway:8080", help="one gateway's base URL")
+    a(
+        "--gateway-url",
+        default="http://servefleet-gateway:8090",
+        help="one gateway's internal base URL (its internal port)",
+    )
     a("--gateway-key-file", default=None, help="bearer key for the gateway's internal API")
     a("--interval", type=float, default=5.0, help="seconds between decisions")
     a("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0: off)")
-    a("--log-level", default="info")
+    add_logging_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     return asyncio.run(_run(args))
 
 

@@ -1,7 +1,8 @@
 """`servefleet bench`: load-test any OpenAI-compatible endpoint and print one JSON summary.
 
-Exit status: 0 when every measured request succeeded, 1 when some failed (the summary is
-still printed), 2 for bad options.
+While it runs, a progress bar (stderr); at the end a table (stderr), the JSON (stdout), and
+with `--out` the JSON file and its PNG plot. Exit status: 0 when every measured request
+succeeded, 1 when some failed (the summary is still printed), 2 for bad options.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ _FLAG_OF_FIELD = {"request_timeout_s": "--timeout", "total_timeout_s": "--total-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="model name sent in each request")
-    parser.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
+    parser.add_argument(
+        "--workload",
+        choices=["random", "shared-prefix"],
+        default="random",
+        help="random prompts, or prompts sharing prefixes (prefix-cache benefit)",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--num-prompts", type=int, default=64, help="measured requests")
     parser.add_argument(
@@ -30,8 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens (shared-prefix: unique suffix tokens)",
     )
     parser.add_argument("--output-tokens", type=int, default=128, help="max_tokens (ignore_eos)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    parser.add_argument(
+        "--api-key", default=None, help="sent as a Bearer token (default: none sent)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="requests sent first, not counted")
     parser.add_argument(
         "--endpoint",
@@ -39,23 +47,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="completions",
         help="completions: token-id prompts; chat: text prompts",
     )
-    parser.add_argument("--shared-prefix-tokens", type=int, default=1000)
-    parser.add_argument("--num-prefixes", type=int, default=1)
+    parser.add_argument(
+        "--shared-prefix-tokens", type=int, default=1000, help="shared-prefix: prefix tokens"
+    )
+    parser.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     parser.add_argument("--total-timeout", type=float, default=3600.0, help="whole run, seconds")
     parser.add_argument(
-        "--out", type=Path, default=None, help="also write the JSON here and a PNG plot next to it"
+        "--out",
+        type=Path,
+        default=None,
+        help="also write the JSON here and a PNG plot next to it (default: stdout only)",
     )
     parser.add_argument(
         "--tokenizer-model",
         default=None,
-        help="calibrate chat text lengths with our tokenizer (GGUF path)",
+        help="calibrate chat text lengths with our tokenizer (GGUF path; default: estimate)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `servefleet --help` stays fast.
     from servefleet.bench.benchmark import BenchOptions, run_benchmark, write_outputs
+    from servefleet.cli.bench_output import ProgressBar, summary_table
 
     try:
         options = BenchOptions(
@@ -83,11 +99,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"servefleet bench: {field}: {err['msg']}", file=sys.stderr)
         return 2
     try:
-        bench_run = asyncio.run(run_benchmark(options))
+        bench_run = asyncio.run(run_benchmark(options, ProgressBar()))
     except (RuntimeError, ValueError) as exc:  # e.g. the optional tokenizer failed to load
         print(f"servefleet bench: {exc}", file=sys.stderr)
         return 2
+    print(summary_table(bench_run.summary), file=sys.stderr)
     if args.out is not None:
-        write_outputs(bench_run, args.out)
+        png = write_outputs(bench_run, args.out)
+        print(f"wrote {args.out} and {png}", file=sys.stderr)
     print(json.dumps(bench_run.summary.model_dump(mode="json"), indent=2))
     return 0 if bench_run.summary.failed == 0 else 1

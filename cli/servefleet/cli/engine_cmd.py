@@ -1,17 +1,31 @@
 """`servefleet engine`: the model server.
 
-The CPU probe runs before torch is imported (see servefleet.engine.cpu_isa), so
-everything torch-related is imported inside `run`.
+The port is bound first, before pydantic, torch or the model are imported, so a busy port
+fails in a fraction of a second; the CPU probe runs before torch is imported too (see
+servefleet.engine.cpu_isa), so everything else is imported inside `run`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from servefleet.cli.listen import bind_listener
+from servefleet.cli.logs import add_logging_arguments, setup_logging
 
-from servefleet.cli.logs import setup_logging
+if TYPE_CHECKING:
+    import socket
+
+    from pydantic import ValidationError
+
+    from servefleet.engine.config import EngineConfig
+
+# The env var the operator fills from the deployment's Secret; the adapter table
+# (servefleet.api.engines) names the same one, which a test checks. Not imported from there:
+# that costs seconds before the port is bound.
+API_KEY_ENV = "SERVEFLEET_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GGUF file, Hugging Face folder, or built-in name (smollm2-135m-instruct)",
     )
     a("--served-model-name", default=None, help="model name clients use (default: --model)")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8000)
-    a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    a("--host", default="127.0.0.1", help="address to listen on")
+    a("--port", type=int, default=8000, help="port to listen on (bound before the model loads)")
+    a(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on every /v1 route; /health, /ready and "
+        f"/metrics stay open (default: ${API_KEY_ENV}, else no key)",
+    )
+    a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="weights dtype")
     a("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")
     a(
@@ -42,8 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-num-seqs", type=int, default=64, help="sequences running at once")
     a("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     a("--max-queue-depth", type=int, default=256, help="waiting requests before 503")
-    a("--max-model-len", type=int, default=None, help="context length cap")
-    a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    a("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    a(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn off the prefix cache (default: on)",
+    )
     a("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight on SIGTERM")
     a(
         "--stall-timeout",
@@ -51,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=120.0,
         help="seconds without progress before /health fails",
     )
-    a("--decode-kernel", choices=["auto", "torch", "cpu-c", "triton"], default="auto")
+    a(
+        "--decode-kernel",
+        choices=["auto", "torch", "cpu-c", "triton"],
+        default="auto",
+        help="decode attention kernel (auto: triton on CUDA, cpu-c on CPU)",
+    )
     a(
         "--matmul",
         choices=["auto", "torch", "cpu-c"],
@@ -62,24 +92,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-packed-weights",
         dest="packed_weights",
         action="store_false",
-        help="decode matmuls read float32 weights, not the checkpoint's 4/8-bit blocks",
+        help="decode matmuls read float32 weights, not the checkpoint's 4/8-bit blocks "
+        "(default: packed)",
     )
-    a("--threads", type=int, default=None, help="torch CPU threads")
-    a("--log-level", default="info")
+    a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    a(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool_choice=auto reads the model's tool calls (default: chosen from the "
+        "chat template: llama3_json for Llama 3 templates, else hermes)",
+    )
+    add_logging_arguments(parser)
+
+
+def _settings_error(exc: ValidationError) -> str:
+    """Pydantic's errors as one line, in flag spelling: `--block-size: Input should be …`."""
+    parts = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "settings"
+        parts.append(f"--{field.replace('_', '-')}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields from the flags; the API key from the env when no flag has it
+    (a Secret-backed env var keeps the key out of `ps` and the pod spec)."""
+    return vars(args) | {"api_key": args.api_key or os.environ.get(API_KEY_ENV) or None}
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("servefleet.engine")
+    # First thing: a busy port ends here as one line (servefleet.cli.main reports ListenError).
+    listener = bind_listener(args.host, args.port)
+    from pydantic import ValidationError
+
     from servefleet.engine.config import EngineConfig
-    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     try:
-        config = EngineConfig(**vars(args))
+        config = EngineConfig(**engine_settings(args))
     except ValidationError as exc:
-        log.error("invalid engine settings: %s", exc)
+        listener.close()
+        log.error("invalid engine settings: %s", _settings_error(exc))
         return 2
-    log.info("cpu_isa=%r", ensure_safe_cpu_isa())
+    return run_engine(config, listener)
+
+
+def run_engine(config: EngineConfig, listener: socket.socket) -> int:
+    """Serve "loading" on the bound port at once, then probe the CPU, import torch and load
+    the model behind it; a signal before the engine is built ends the process with 0."""
+    from servefleet.engine.http_server import start_http_server
+
+    http_server = start_http_server(config, listener)
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
+
+    logging.getLogger("servefleet.engine").info("cpu_isa=%r", ensure_safe_cpu_isa())
     from servefleet.engine.process import serve
 
-    return serve(config)
+    return serve(config, http_server)

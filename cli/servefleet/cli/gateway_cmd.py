@@ -4,19 +4,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
+from servefleet.cli.listen import bind_listener
+from servefleet.cli.logs import add_logging_arguments, setup_logging
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="GatewayConfig file (YAML or JSON)")
-    parser.add_argument("--host", default=None, help="override the config's listen host")
-    parser.add_argument("--port", type=int, default=None, help="override the config's port")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    parser.add_argument(
+        "--host", default=None, help="listen address (default: the config's `host`)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="listen port (default: the config's `port`)"
+    )
+    parser.add_argument(
+        "--internal-port",
+        type=int,
+        default=None,
+        help="port of /metrics and /internal/* (default: the config's `internal_port`, 8090); "
+        "never served on the tenant port",
+    )
+    parser.add_argument(
+        "--access-log",
+        default=None,
+        metavar="FILE|-",
+        help="append one JSON line per request (servefleet.api.access_log; replayed by "
+        "`servefleet sim --trace`) to FILE, or write it to stdout with -; keys are never logged",
+    )
+    add_logging_arguments(parser)
     parser.add_argument(
         "--kube-routes",
         action="store_true",
@@ -57,11 +77,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servefleet.api.gateway_config import GatewayConfig
+    from servefleet.gateway.access_log import AccessLog
     from servefleet.gateway.app import Gateway
     from servefleet.gateway.kube_routes import KubeRoutedGateway, KubeRoutes
+    from servefleet.gateway.listeners import ByListener
     from servefleet.kube import KubeAccess, KubeError
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         config = load_config(args.config)
     except OSError as exc:
@@ -80,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"servefleet gateway: {exc}", file=sys.stderr)
             return 2
     try:
-        gateway = Gateway(config, kubernetes=kubernetes)
+        access_log = AccessLog.open(args.access_log) if args.access_log else None
+        gateway = Gateway(config, kubernetes=kubernetes, access_log=access_log)
     except (OSError, RuntimeError, ValueError) as exc:  # a missing key file
         print(f"servefleet gateway: {exc}", file=sys.stderr)
         return 2
@@ -94,15 +117,24 @@ def run(args: argparse.Namespace) -> int:
             secret_refresh_s=args.secret_refresh_seconds,
         )
         app = KubeRoutedGateway(gateway, routes)
-    uvicorn.run(
-        app,  # type: ignore[arg-type]
-        host=args.host or config.host,
-        port=args.port if args.port is not None else config.port,
-        log_level=args.log_level,
-        access_log=False,
-        http="httptools",
-        loop="uvloop",
-        lifespan="on",
-        timeout_keep_alive=75,
+    # Bound before serving: a busy port is one line (servefleet.cli.main reports ListenError).
+    host = args.host or config.host
+    listeners = [bind_listener(host, args.port if args.port is not None else config.port)]
+    internal_port = args.internal_port if args.internal_port is not None else config.internal_port
+    if internal_port is not None:  # /metrics and /internal/*: see servefleet.gateway.listeners
+        listeners.append(bind_listener(host, internal_port, flag="--internal-port"))
+        app = ByListener(app, gateway.internal, listeners[1].getsockname()[1])
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,  # type: ignore[arg-type]
+            log_config=None,  # the root handler of servefleet.cli.logs
+            log_level=args.log_level,
+            access_log=False,
+            http="httptools",
+            loop="uvloop",
+            lifespan="on",
+            timeout_keep_alive=75,
+        )
     )
+    server.run(sockets=listeners)
     return 0

@@ -1,20 +1,110 @@
-"""Quiet, structured process logs: one line per event, `key=value` fields."""
+"""One log setup for every role: one line per event, `key=value` (logfmt) or JSON.
+
+Every `servefleet` subcommand that runs a process calls `setup_logging`, so the engine, the
+gateway, the operator, the autoscaler and `servefleet up` write the same fields in the same
+shape, and one log pipeline (Loki's logfmt or json parser) reads them all. uvicorn and kopf
+log through the root handler installed here (callers pass `log_config=None` to uvicorn).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import sys
+import time
+from typing import Any, Literal
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+LogFormat = Literal["text", "json"]
+
+# Attributes every LogRecord has; anything else came in through `extra=` and is a field.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",  # uvicorn's coloured duplicate of the message
+    "taskName",
+}
+_NOISY_LOGGERS = ("httpx", "httpcore", "uvicorn.access", "asyncio")
 
 
-def setup_logging(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter(
-            "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s", "%Y-%m-%dT%H:%M:%S"
-        )
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--log-level` and `--log-format`, spelled the same in every subcommand."""
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="lowest level logged",
     )
+    parser.add_argument(
+        "--log-format",
+        type=str.lower,
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: key=value fields (logfmt); json: one JSON object per line",
+    )
+
+
+def _time(record: logging.LogRecord) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{stamp}.{int(record.msecs):03d}Z"
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """time, level, logger, msg, then the record's `extra=` fields, then exc (if any)."""
+    fields: dict[str, Any] = {
+        "time": _time(record),
+        "level": record.levelname.lower(),
+        "logger": record.name,
+        "msg": record.getMessage(),
+    }
+    for key, value in vars(record).items():
+        if key not in _RECORD_ATTRS and not key.startswith("_"):
+            fields[key] = value
+    return fields
+
+
+def _logfmt_value(value: object) -> str:
+    text = str(value)
+    if text and not any(c in text for c in ' ="\\\n\t'):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+class LogfmtFormatter(logging.Formatter):
+    """`time=… level=info logger=… msg="…" key=value…`; tracebacks follow on their own lines
+    (they are for unexpected failures only: expected ones are one line)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = " ".join(f"{k}={_logfmt_value(v)}" for k, v in record_fields(record).items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; a traceback is the `exc` field, so a line is a record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = record_fields(record)
+        if record.exc_info:
+            fields["exc"] = self.formatException(record.exc_info)
+        return json.dumps(fields, ensure_ascii=False, default=str)
+
+
+def setup_logging(level: str = "info", log_format: str = "text") -> None:
+    """Replace the root handler with ours; quiet the chatty libraries to warnings."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else LogfmtFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("httpx", "httpcore", "uvicorn.access", "asyncio"):
+    for noisy in _NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # uvicorn's loggers keep their own handlers when it configured them; ours is the one.
+    for name in ("uvicorn", "uvicorn.error"):
+        uvicorn_logger = logging.getLogger(name)
+        uvicorn_logger.handlers[:] = []
+        uvicorn_logger.propagate = True

@@ -8,6 +8,8 @@ import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
 
+from servefleet.cli.logs import add_logging_arguments, setup_logging
+
 
 def default_engine_image() -> str:
     """The image engine pods run: $SERVEFLEET_ENGINE_IMAGE, else ours at the package version."""
@@ -40,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="base URL of the gateway Service (reported in status.endpoint)",
     )
     parser.add_argument(
-        "--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"]
+        "--image-pull-policy",
+        default="IfNotPresent",
+        choices=["Always", "IfNotPresent", "Never"],
+        help="imagePullPolicy of engine pods",
     )
     parser.add_argument(
         "--resync-seconds", type=float, default=30.0, help="drift-repair period per LLMDeployment"
@@ -51,9 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8081,
         help="port of the /healthz liveness endpoint (0: off)",
     )
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    add_logging_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from servefleet.kube import KubeAccess, KubeError
     from servefleet.operator.handlers import OperatorSettings, build_registry
 
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_format)
     settings = OperatorSettings(
         namespaces=args.namespace,
         engine_image=args.engine_image,

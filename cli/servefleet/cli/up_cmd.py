@@ -1,4 +1,9 @@
-"""`servefleet up FILE`: run LLMDeployments on this machine (local mode)."""
+"""`servefleet up FILE`: run LLMDeployments on this machine (local mode).
+
+The banner with the `export`/curl lines is printed only once every deployment's warm
+replicas are ready, so the first request a newcomer copies from it is served, not refused
+with 503 while the engines are still loading.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from servefleet.cli.logs import setup_logging
+from servefleet.cli.listen import bind_listener
+from servefleet.cli.logs import add_logging_arguments, setup_logging
 
 if TYPE_CHECKING:
     from servefleet.local.plane import LocalControlPlane
@@ -20,18 +26,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("file", type=Path, help="YAML with one or more LLMDeployments (and optional Secrets)")
     a("--host", default="127.0.0.1", help="address of the gateway and the engines")
     a("--port", type=int, default=8080, help="gateway port")
-    a("--secrets", type=Path, default=None, help="YAML with Secret documents for tenant keys")
+    a(
+        "--secrets",
+        type=Path,
+        default=None,
+        help="YAML with Secret documents for tenant keys (default: env, then FILE)",
+    )
     a(
         "--log-dir",
         type=Path,
         default=Path.home() / ".cache" / "servefleet" / "local" / "logs",
         help="engine replica logs",
     )
-    a("--log-level", default="info")
+    add_logging_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("servefleet.up")
     from servefleet.api.manifests import ManifestError, load_llmdeployments
     from servefleet.local.engine_command import LocalModeError, engine_command
@@ -46,16 +57,27 @@ def run(args: argparse.Namespace) -> int:
     except (ManifestError, MissingSecretError, LocalModeError) as exc:
         log.error("%s", exc)
         return 2
+    # A busy gateway port ends here, as one line (servefleet.cli.main reports ListenError).
+    listener = bind_listener(args.host, args.port)
     plane = LocalControlPlane(
         tenants.deployments,
         tenants,
-        LocalOptions(log_dir=args.log_dir, host=args.host, port=args.port),
+        LocalOptions(log_dir=args.log_dir, host=args.host, port=args.port, listener=listener),
     )
     return asyncio.run(serve_until_signal(plane))
 
 
+def _starting_line(plane: LocalControlPlane) -> str:
+    warm = ", ".join(f"{d.name} x{d.spec.desired_replicas()}" for d in plane.deployments)
+    return (
+        f"starting: loading warm replicas ({warm}); the endpoint is printed once they are "
+        f"ready (engine logs: {plane.options.log_dir})"
+    )
+
+
 async def serve_until_signal(plane: LocalControlPlane) -> int:
-    """Start the plane, print how to use it, and stop everything on SIGINT or SIGTERM."""
+    """Start the plane, wait for the warm pool, print how to use it, and stop everything on
+    SIGINT or SIGTERM (also while the pool is still warming)."""
     from servefleet.local.plane import banner
 
     log = logging.getLogger("servefleet.up")
@@ -69,11 +91,12 @@ async def serve_until_signal(plane: LocalControlPlane) -> int:
         log.error("could not start: %s", exc)
         await plane.stop()
         return 1
-    print(banner(plane), flush=True)
+    print(_starting_line(plane), flush=True)
     warm = asyncio.create_task(plane.wait_warm())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({warm, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if warm.done() and not warm.exception():
+        print(banner(plane), flush=True)
         print("ready: warm replicas are serving", flush=True)
     await stopped
     warm.cancel()

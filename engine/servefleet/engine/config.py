@@ -9,6 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from servefleet.api.quantity import parse_memory_size
 
 
+class EngineSettingsError(ValueError):
+    """Settings that validate alone but not against the model or machine (a KV-cache
+    budget under two blocks); reported in one line, not as a traceback."""
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -42,7 +47,18 @@ class EngineConfig(BaseModel):
         description="Decode matmuls read a quantized checkpoint's 4/8-bit blocks (CPU, float32).",
     )
     threads: int | None = Field(default=None, ge=1)
-    log_level: str = "info"
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        default=None,
+        description="How `tool_choice: auto` reads the model's tool calls (None: from the chat "
+        "template).",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    api_key: str | None = Field(
+        default=None,
+        repr=False,
+        description="Bearer key every /v1 route requires (None: open, as vLLM without --api-key).",
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -12,8 +12,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.engine.output_processor import OutputProcessor
@@ -56,6 +57,32 @@ class SequenceOutput:
     num_cached_tokens: int = 0
 
 
+class _EngineCall:
+    """A function to run on the engine thread between steps (it owns the model)."""
+
+    def __init__(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop) -> None:
+        self.fn = fn
+        self.loop = loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except Exception as exc:  # handed to the caller
+            self.loop.call_soon_threadsafe(_settle, self.future, None, exc)
+        else:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, None)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class _RequestSink:
     """Where a request's outputs land on the asyncio side."""
 
@@ -88,7 +115,7 @@ class Engine:
         self.metrics = metrics
         self.stall_timeout = stall_timeout
         # New requests arrive as (request, sink); aborts as the request id.
-        self._inbox: queue.SimpleQueue[tuple[EngineRequest, _RequestSink] | str] = (
+        self._inbox: queue.SimpleQueue[tuple[EngineRequest, _RequestSink] | str | _EngineCall] = (
             queue.SimpleQueue()
         )
         self._wakeup = threading.Event()
@@ -177,6 +204,15 @@ class Engine:
             if remaining:
                 self.abort(request.request_id)
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() run on the engine thread between two steps (embeddings use the model)."""
+        if self.fatal_error is not None:
+            raise EngineDeadError(str(self.fatal_error))
+        item = _EngineCall(fn, asyncio.get_running_loop())
+        self._inbox.put(item)
+        self._wakeup.set()
+        return await item.future
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
         self._wakeup.set()
@@ -205,6 +241,8 @@ class Engine:
                 return
             if isinstance(item, tuple):
                 self._add(*item)
+            elif isinstance(item, _EngineCall):
+                item.run()
             else:
                 for seq in self._by_request.pop(item, []):
                     if not seq.is_finished:

@@ -6,24 +6,24 @@ what the autoscaler pays for every replica it adds.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 import torch
-import uvicorn
 
 from servefleet.api.quantity import parse_memory_size
 from servefleet.engine.attention import PagedAttention
-from servefleet.engine.config import EngineConfig
-from servefleet.engine.kernels import select_decode_kernel, select_fused_ops, select_matmul
+from servefleet.engine.config import EngineConfig, EngineSettingsError
+from servefleet.engine.http_server import EngineHttpServer
+from servefleet.engine.kernels import (
+    KernelUnavailableError,
+    select_decode_kernel,
+    select_fused_ops,
+    select_matmul,
+)
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
 from servefleet.engine.metrics import EngineMetrics
@@ -35,6 +35,7 @@ from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
 from servefleet.engine.sequence import Sequence
 from servefleet.engine.server import ServingState, build_app
+from servefleet.text.builtin import UnknownModelError
 from servefleet.text.chat_template import ChatTemplate
 
 log = logging.getLogger("servefleet.engine")
@@ -175,7 +176,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Bui
     budget = kv_cache_bytes(config.kv_cache_memory, device)
     num_blocks = budget // per_block
     if num_blocks < 2:
-        raise ValueError(
+        raise EngineSettingsError(
             f"--kv-cache-memory {config.kv_cache_memory} gives {budget} bytes, less than two "
             f"blocks of {per_block} bytes"
         )
@@ -215,6 +216,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Bui
         block_size=config.block_size,
         num_kv_blocks=num_blocks,
         max_queue_depth=config.max_queue_depth,
+        tool_call_parser=config.tool_call_parser,
     )
     return BuiltEngine(engine, state, loaded, kv)
 
@@ -235,101 +237,47 @@ def warm_up(built: BuiltEngine) -> None:
     built.kv_cache.prefix_queries = built.kv_cache.prefix_hits = 0
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn that drains on SIGTERM/SIGINT: stop admitting, finish in-flight, exit 0."""
-
-    def __init__(self, config: uvicorn.Config, state: ServingState, drain_timeout: float) -> None:
-        super().__init__(config)
-        self.serving = state
-        self.drain_timeout = drain_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.serving.draining or self._loop is None:
-            self.should_exit = True
-            if sig == signal.SIGINT and self.serving.draining:
-                self.force_exit = True
-            return
-        self.serving.draining = True
-        self.serving.engine.metrics.draining.set(1)
-        log.info(
-            "draining: signal=%s in_flight=%d timeout_s=%.0f",
-            signal.Signals(sig).name,
-            self.serving.engine.num_in_flight,
-            self.drain_timeout,
-        )
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    async def _drain(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout
-        engine = self.serving.engine
-        while engine.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if engine.num_in_flight:
-            log.warning(
-                "drain timeout: %d requests still in flight, stopping", engine.num_in_flight
-            )
-        else:
-            log.info("drained: all in-flight requests finished")
-        self.should_exit = True
-
-
-def serve(config: EngineConfig) -> int:
-    """Engine loop on the main thread, HTTP server on a second one, until drained."""
+def load_and_warm(config: EngineConfig) -> tuple[BuiltEngine, float]:
+    """The engine, warmed up, and the warm-up's seconds."""
     built = build_engine(config)
     t0 = time.monotonic()
     warm_up(built)
-    warm_s = time.monotonic() - t0
-    uv_config = uvicorn.Config(
-        build_app(built.state),
-        host=config.host,
-        port=config.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
-        lifespan="off",
+    return built, time.monotonic() - t0
+
+
+def serve(config: EngineConfig, http_server: EngineHttpServer) -> int:
+    """Engine loop on the main thread, HTTP server on a second one, until drained.
+
+    The HTTP server already answers "loading" on its bound port (see http_server); the
+    model loads behind it, then the gate opens onto the real app (a signal before that ends
+    the process, see DrainingServer).
+    """
+    server, gate, http = http_server.server, http_server.gate, http_server.thread
+    try:
+        built, warm_s = load_and_warm(config)
+        built.state.api_key = config.api_key
+        gate.open(build_app(built.state))
+        server.serving = built.state  # from here on a signal drains
+    except (UnknownModelError, KernelUnavailableError, EngineSettingsError) as exc:
+        log.error("cannot start: %s", exc)  # one line: the cause is the user's input
+        server.should_exit = True
+        http.join(5)
+        return 2
+    if not http.is_alive():
+        log.error("http server stopped during start-up")
+        return 1
+    built.state.ready = True
+    cold = process_uptime()
+    built.engine.metrics.cold_start.set(cold)
+    log.info(
+        "ready: url=http://%s:%d model=%s cold_start_s=%.2f warmup_s=%.2f api_key=%s",
+        config.host,
+        config.port,
+        config.name,
+        cold,
+        warm_s,
+        "required" if config.api_key else "off",
     )
-    server = DrainingServer(uv_config, built.state, config.drain_timeout)
-
-    async def mark_ready() -> None:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        built.state.ready = True
-        cold = process_uptime()
-        built.engine.metrics.cold_start.set(cold)
-        log.info(
-            "ready: url=http://%s:%d model=%s cold_start_s=%.2f warmup_s=%.2f",
-            config.host,
-            config.port,
-            config.name,
-            cold,
-            warm_s,
-        )
-
-    async def run_server() -> None:
-        ready_task = asyncio.ensure_future(mark_ready())
-        try:
-            await server.serve()
-        finally:
-            ready_task.cancel()
-
-    def server_thread() -> None:
-        try:
-            asyncio.run(run_server())
-        except BaseException:
-            log.exception("http server failed")
-        finally:
-            built.engine.request_stop()
-
-    # Signals reach the main thread; the server drains on its own loop.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, server.handle_exit)
-    http = threading.Thread(target=server_thread, name="http-server", daemon=True)
-    http.start()
     built.engine.run()
     if built.engine.fatal_error is not None:
         log.error("engine loop died, exiting: %r", built.engine.fatal_error)

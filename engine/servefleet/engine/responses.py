@@ -6,21 +6,19 @@ the chat and completions shapes, logprobs and usage are defined in one place.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import StreamingResponse
 
+from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from servefleet.engine.loop import EngineDeadError, EngineRequest, SequenceOutput
-from servefleet.engine.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    now,
-    usage,
-)
+from servefleet.engine.protocol import OpenAIError, now, usage
 from servefleet.engine.sampler import TokenLogprobs
+from servefleet.engine.structured.tool_calls import tool_plan
+from servefleet.engine.structured.tool_output import ToolCallStream, assistant_message
 from servefleet.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -86,6 +84,14 @@ def chat_response(
     body: ChatCompletionRequest,
 ) -> dict[str, Any]:
     choices = _merge(steps, req.n)
+    plan = tool_plan(body)
+    for c in choices:  # the assistant message: text, or tool calls and what is left of it
+        c["message"] = {"role": "assistant", "content": c["text"]}
+        if plan is not None:
+            parser = state.structured.tool_call_parser
+            c["message"], c["finish_reason"] = assistant_message(
+                plan, parser, c["text"], c["finish_reason"]
+            )
     return {
         "id": req.request_id,
         "object": "chat.completion",
@@ -94,7 +100,7 @@ def chat_response(
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c["text"]},
+                "message": c["message"],
                 "logprobs": _chat_logprobs(state.tokenizer, c["logprobs"])
                 if body.logprobs
                 else None,
@@ -108,31 +114,39 @@ def chat_response(
 
 def completion_response(
     state: ServingState,
-    req: EngineRequest,
-    steps: list[list[SequenceOutput]],
+    reqs: list[EngineRequest],
+    steps: list[list[list[SequenceOutput]]],
     body: CompletionRequest,
 ) -> dict[str, Any]:
-    choices = _merge(steps, req.n)
-    prefix = state.tokenizer.decode(req.prompt_token_ids) if body.echo else ""
+    """One response for every prompt: prompt p's choices are indexes p*n .. p*n+n-1."""
+    choices: list[dict[str, Any]] = []
+    prompt_tokens = completion_tokens = cached = 0
+    for req, req_steps in zip(reqs, steps, strict=True):
+        merged = _merge(req_steps, req.n)
+        prefix = state.tokenizer.decode(req.prompt_token_ids) if body.echo else ""
+        for c in merged:
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": prefix + c["text"],
+                    "logprobs": (
+                        _completion_logprobs(state.tokenizer, c["logprobs"])
+                        if body.logprobs is not None
+                        else None
+                    ),
+                    "finish_reason": c["finish_reason"],
+                }
+            )
+        prompt_tokens += merged[0]["prompt_tokens"]
+        cached += merged[0]["cached"]
+        completion_tokens += sum(c["output"] for c in merged)
     return {
-        "id": req.request_id,
+        "id": reqs[0].request_id,
         "object": "text_completion",
         "created": now(),
         "model": state.served_model_name,
-        "choices": [
-            {
-                "index": i,
-                "text": prefix + c["text"],
-                "logprobs": (
-                    _completion_logprobs(state.tokenizer, c["logprobs"])
-                    if body.logprobs is not None
-                    else None
-                ),
-                "finish_reason": c["finish_reason"],
-            }
-            for i, c in enumerate(choices)
-        ],
-        "usage": _usage_of(choices),
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
     }
 
 
@@ -141,7 +155,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _stream_choice(
-    out: SequenceOutput, chat: bool, want_logprobs: bool, tokenizer: Tokenizer
+    out: SequenceOutput, index: int, chat: bool, want_logprobs: bool, tokenizer: Tokenizer
 ) -> dict[str, Any] | None:
     """One sequence's part of a stream chunk; None when this step gave it nothing to send."""
     if not out.text and not out.finished and not (want_logprobs and out.logprobs):
@@ -149,7 +163,7 @@ def _stream_choice(
     render = _chat_logprobs if chat else _completion_logprobs
     logprobs = render(tokenizer, out.logprobs) if want_logprobs and out.logprobs else None
     choice: dict[str, Any] = {
-        "index": out.index,
+        "index": index,
         "logprobs": logprobs,
         "finish_reason": out.finish_reason,
     }
@@ -160,21 +174,62 @@ def _stream_choice(
     return choice
 
 
+async def _merged(
+    streams: list[AsyncIterator[list[SequenceOutput]]],
+) -> AsyncGenerator[tuple[int, list[SequenceOutput]], None]:
+    """(request position, one step's outputs) of every request's stream, as they come."""
+    if len(streams) == 1:
+        try:
+            async for outs in streams[0]:
+                yield 0, outs
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]  # aborts an early exit
+        return
+    inbox: asyncio.Queue[tuple[int, list[SequenceOutput] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(position: int) -> None:
+        try:
+            async for outs in streams[position]:
+                await inbox.put((position, outs))
+        except BaseException as exc:
+            await inbox.put((position, exc))
+        else:
+            await inbox.put((position, None))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            position, item = await inbox.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def stream_response(
     state: ServingState,
-    req: EngineRequest,
+    reqs: list[EngineRequest],
     body: ChatCompletionRequest | CompletionRequest,
     *,
     chat: bool,
 ) -> StreamingResponse:
+    """SSE stream of one request per prompt; prompt p's choices are indexes p*n .. p*n+n-1."""
     created = now()
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    include_usage = body.wants_usage_in_stream
     obj = "chat.completion.chunk" if chat else "text_completion"
     want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+    first_index = [sum(r.n for r in reqs[:p]) for p in range(len(reqs))]
+    request_id = reqs[0].request_id
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         payload = {
-            "id": req.request_id,
+            "id": request_id,
             "object": obj,
             "created": created,
             "model": state.served_model_name,
@@ -183,32 +238,49 @@ def stream_response(
         payload.update(extra)
         return _sse(payload)
 
-    outputs = state.engine.generate(req)
+    outputs = _merged([state.engine.generate(r) for r in reqs])  # all queued now, in order
+
+    plan = tool_plan(body) if isinstance(body, ChatCompletionRequest) else None
+    tool_streams = {
+        i: ToolCallStream(plan, state.structured.tool_call_parser)
+        for i in range(reqs[0].n)
+        if plan is not None
+    }
 
     async def events() -> AsyncIterator[bytes]:
-        prompt_tokens = cached = 0
-        completion = [0] * req.n
+        prompt_tokens = [0] * len(reqs)
+        cached = [0] * len(reqs)
+        completion = [0] * sum(r.n for r in reqs)
         try:
             if chat:
                 first = {"role": "assistant", "content": ""}
                 yield chunk(
-                    [{"index": i, "delta": first, "finish_reason": None} for i in range(req.n)]
+                    [{"index": i, "delta": first, "finish_reason": None} for i in range(reqs[0].n)]
                 )
-            async for outs in outputs:
+            async for position, outs in outputs:
                 choices = []
                 for o in outs:
-                    prompt_tokens, cached = o.num_prompt_tokens, o.num_cached_tokens
-                    completion[o.index] = o.num_output_tokens
-                    choice = _stream_choice(o, chat, want_logprobs, state.tokenizer)
+                    index = first_index[position] + o.index
+                    prompt_tokens[position] = o.num_prompt_tokens
+                    cached[position] = o.num_cached_tokens
+                    completion[index] = o.num_output_tokens
+                    if index in tool_streams:  # tool calls: OpenAI's tool_calls deltas
+                        stream = tool_streams[index]
+                        for c in stream.choices(index, o.text, o.finished, o.finish_reason):
+                            yield chunk([c])
+                        continue
+                    choice = _stream_choice(o, index, chat, want_logprobs, state.tokenizer)
                     if choice is not None:
                         choices.append(choice)
                 if choices:
                     yield chunk(choices)
             if include_usage:
-                yield chunk([], usage=usage(prompt_tokens, sum(completion), cached))
+                yield chunk([], usage=usage(sum(prompt_tokens), sum(completion), sum(cached)))
             yield b"data: [DONE]\n\n"
         except EngineDeadError as exc:
             yield _sse(OpenAIError(500, str(exc), type="internal_error").body())
+        finally:
+            await outputs.aclose()
 
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

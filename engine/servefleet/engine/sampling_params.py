@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     extra_eos_token_ids: tuple[int, ...] = field(default=())
+    # Structured output: each sequence gets its own matcher over this grammar (compiled
+    # once per distinct constraint by `structured.grammars`); None: free text.
+    compiled_grammar: CompiledGrammar | None = field(default=None, compare=False)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
 
     @property
     def greedy(self) -> bool:

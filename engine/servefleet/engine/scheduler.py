@@ -169,6 +169,8 @@ class Scheduler:
             return FinishReason.STOP
         if token in params.stop_token_ids:
             return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return FinishReason.STOP  # the structured output is complete
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if seq.num_tokens >= self.config.max_model_len:

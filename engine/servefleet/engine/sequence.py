@@ -10,10 +10,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from servefleet.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 _ids = itertools.count()
 
@@ -56,11 +60,16 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # where a structured output stands; None: free
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.compiled_grammar is not None and self.grammar is None:
+            from xgrammar import GrammarMatcher
+
+            self.grammar = GrammarMatcher(self.params.compiled_grammar)
 
     @property
     def num_tokens(self) -> int:

@@ -1,25 +1,31 @@
 """The gateway as an ASGI application: lifecycle, the path table, and the current route table.
 
 This module only wires: it hands each request to the module for its path (completions,
-probes, internal API) together with the route table current when the request arrived, and
-nothing below it calls back up. Reconfiguring builds a new route table and swaps it in.
+probes) together with the route table current when the request arrived, and nothing below it
+calls back up. `/metrics` and `/internal/*` are not here: they are `internal`, the app of the
+internal port (`internal_api`). Reconfiguring builds a new route table and swaps it in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_stats import DeploymentStats
-from servefleet.gateway import internal_api
+from servefleet.api.openai_version import version_body
+from servefleet.api.openai_wire import headers_too_large, send_header_error
+from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.completion import CompletionHandler
+from servefleet.gateway.endpoints import ENDPOINTS, model_card_body
 from servefleet.gateway.errors import GatewayError
 from servefleet.gateway.forward import Forwarder
+from servefleet.gateway.internal_api import InternalApp
 from servefleet.gateway.limits import Limiter
 from servefleet.gateway.limits_redis import FailoverLimiter
 from servefleet.gateway.metrics import GatewayMetrics
@@ -37,8 +43,6 @@ from servefleet.gateway.route_table import (
 from servefleet.gateway.upstream import UpstreamPool
 from servefleet.kube import KubeAccess
 
-PROMETHEUS_TEXT = b"text/plain; version=0.0.4"
-
 
 class Gateway:
     """The tenant-facing endpoint of every deployment in a `GatewayConfig`."""
@@ -51,10 +55,11 @@ class Gateway:
         limiter: Limiter | None = None,
         kubernetes: KubeAccess | None = None,
         clock: Callable[[], float] = time.monotonic,
+        access_log: AccessLog | None = None,
     ) -> None:
         self._clock = clock
         self._environ = environ
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.tenant_series_limit)
         pools = plan_pools(config, {}, clock).pools
         self.table: RouteTable = build_route_table(config, pools, self.metrics, environ)
         self.limiter = limiter if limiter is not None else make_limiter(config, self.metrics, clock)
@@ -64,8 +69,14 @@ class Gateway:
         )
         self._upstream = UpstreamPool()
         self._completions = CompletionHandler(
-            self.limiter, Forwarder(self._upstream, self.metrics, Relay(clock)), self.metrics, clock
+            self.limiter,
+            Forwarder(self._upstream, self.metrics, Relay(clock)),
+            self.metrics,
+            clock,
+            access_log,
         )
+        self.internal = InternalApp(lambda: self.table, self.render_metrics, self._internal_key)
+        """The ASGI app of the internal port: /metrics and /internal/* (never the tenant port)."""
         self._prober = ReplicaProber(clock)
         self._pool_tasks = PoolTasks(kubernetes)
         self._probe_task: asyncio.Task[None] | None = None
@@ -163,6 +174,9 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            if headers_too_large(scope):
+                await send_header_error(send)
+                return
             try:
                 await self._http(scope, receive, send)
             except GatewayError as exc:
@@ -190,13 +204,17 @@ class Gateway:
         path: str = scope["path"]
         method: str = scope["method"]
         table = self.table  # one table for the whole request, even across a reconfigure
-        if method == "POST" and path == "/v1/chat/completions":
-            await self._completions.handle(table, scope, receive, send, chat=True)
-        elif method == "POST" and path == "/v1/completions":
-            await self._completions.handle(table, scope, receive, send, chat=False)
+        if method == "POST" and path in ENDPOINTS:
+            await self._completions.handle(table, scope, receive, send, ENDPOINTS[path])
         elif method == "GET" and path == "/v1/models":
             tenant = table.keys.require_tenant(header(scope, b"authorization"))
             await respond(send, 200, table.models_body(tenant))
+        elif method == "GET" and path.startswith("/v1/models/"):
+            tenant = table.keys.require_tenant(header(scope, b"authorization"))
+            model = path.removeprefix("/v1/models/")
+            await respond(send, 200, model_card_body(table, tenant, model))
+        elif method == "GET" and path == "/version":
+            await respond(send, 200, json.dumps(version_body()).encode())
         elif method == "GET" and path == "/health":
             await respond(send, 200, b'{"status":"ok"}')
         elif method == "GET" and path == "/ready":
@@ -204,11 +222,5 @@ class Gateway:
                 await respond(send, 200, b'{"status":"ready"}')
             else:
                 await respond(send, 503, b'{"status":"starting"}')
-        elif method == "GET" and path == "/metrics":
-            await respond(send, 200, self.render_metrics(), content_type=PROMETHEUS_TEXT)
-        elif method == "GET" and path == internal_api.DEPLOYMENTS_PATH:
-            await internal_api.send_deployment_stats(table, send)
-        elif internal_api.is_replica_update(method, path):
-            await internal_api.update_replicas(table, self._internal_key, scope, receive, send)
         else:
             raise GatewayError(404, f"Unknown path {method} {path}", code="unknown_url")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from servefleet.api.openai_wire import MAX_BODY_BYTES
 from servefleet.gateway.errors import GatewayError
 
 Scope = dict[str, Any]
@@ -17,7 +18,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
 JSON = b"application/json"
 
 
@@ -40,7 +40,7 @@ async def read_body(receive: Receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise GatewayError(413, "The request body is too large.")
+            raise GatewayError(413, "The request body is too large.", code="request_too_large")
         parts.append(chunk)
     return b"".join(parts)
 
@@ -65,3 +65,16 @@ async def respond(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class StatusRecorder:
+    """Wraps a `send` to remember the status it started the response with (the access log's)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status: int | None = None
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start" and self.status is None:
+            self.status = int(message["status"])
+        await self._send(message)

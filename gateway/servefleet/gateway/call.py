@@ -1,7 +1,8 @@
 """One completion request on its way through the gateway, from parse to settle.
 
-The handler fills in what the request asks for; forwarding and relay fill in what it got
-(usage, events, first byte), which is what its reservation is settled with.
+The handler fills in what the request asks for and where the pool placed it; forwarding and
+relay fill in what it got (replica, usage, events, first byte, completion), which is what its
+reservation is settled with and what its access-log line says.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from servefleet.gateway.asgi import Headers
 from servefleet.gateway.proxy import Usage
 
 if TYPE_CHECKING:
+    from servefleet.gateway.pool import Lease, Shed, Spill
     from servefleet.gateway.route_table import TenantRoute
 
 
@@ -32,6 +34,10 @@ class Call:
     used: Usage | None = None
     events: int = 0
     first_byte: bool = False
+    placement: Lease | Spill | Shed | None = None  # what pool.acquire answered
+    replica: str | None = None  # the endpoint that answered (after a retry, the second)
+    ttft_s: float | None = None
+    completed: bool = False  # the whole answer reached the client
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""

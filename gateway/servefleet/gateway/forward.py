@@ -3,13 +3,16 @@
 A replica that cannot be reached, times out or fails (5xx) before a byte was relayed is
 ejected and the request moved once to another replica (`pool.reroute`); a 503 means draining,
 not failure, so the replica is only taken out of rotation. Everything after the status line is
-the relay's job.
+the relay's job. A client that leaves while the replica has not answered yet drops the upstream
+connection, which aborts the generation.
 """
 
 from __future__ import annotations
 
+from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.gateway.asgi import JSON, Receive, Send
 from servefleet.gateway.call import Call
+from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
 from servefleet.gateway.errors import GatewayError
 from servefleet.gateway.limit_headers import retry_after
 from servefleet.gateway.metrics import GatewayMetrics
@@ -27,6 +30,13 @@ from servefleet.gateway.upstream import (
 JSON_HEADERS = [(b"content-type", JSON)]
 
 
+def engine_headers(config: GatewayDeployment) -> list[tuple[bytes, bytes]]:
+    """Headers of a request to a replica: the engine key as a Bearer token when it needs one."""
+    if config.engine_api_key is None:
+        return JSON_HEADERS
+    return [*JSON_HEADERS, (b"authorization", b"Bearer " + config.engine_api_key.read().encode())]
+
+
 class Forwarder:
     def __init__(self, upstream: UpstreamPool, metrics: GatewayMetrics, relay: Relay) -> None:
         self._upstream = upstream
@@ -41,7 +51,13 @@ class Forwarder:
         )
         retried = False
         while True:
-            response, failure = await self._attempt(pool, lease.replica, call.path, body)
+            try:
+                response, failure = await unless_client_leaves(
+                    self._attempt(pool, lease.replica, call.path, body), receive
+                )
+            except ClientGone:
+                pool.release(lease, ok=False)
+                return
             if failure is None:
                 break
             if failure.status != 503:
@@ -59,6 +75,7 @@ class Forwarder:
             lease = moved
             self._metrics.upstream_retries.labels(pool.model).inc()
         assert response is not None
+        call.replica = lease.replica.endpoint
         ok = False
         try:
             ok = await self._relay.relay(call, response, send, receive, spill=False)
@@ -75,7 +92,7 @@ class Forwarder:
                 "POST",
                 replica.endpoint + path,
                 body,
-                JSON_HEADERS,
+                engine_headers(config),
                 connect_timeout=config.connect_timeout_seconds,
                 read_timeout=config.upstream_timeout_seconds,
             )

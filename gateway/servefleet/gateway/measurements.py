@@ -50,16 +50,16 @@ class LatencyWindow:
 
 
 class RateWindow:
-    """Events per second over the last window (completions)."""
+    """Events (or an amount carried by each, e.g. tokens) per second over the last window."""
 
     def __init__(self, window_s: float = 60.0) -> None:
         self.window_s = window_s
-        self._times: deque[float] = deque()
+        self._events: deque[tuple[float, float]] = deque()
 
-    def add(self, now: float) -> None:
-        self._times.append(now)
+    def add(self, now: float, amount: float = 1.0) -> None:
+        self._events.append((now, amount))
 
     def per_second(self, now: float) -> float:
-        while self._times and self._times[0] < now - self.window_s:
-            self._times.popleft()
-        return len(self._times) / self.window_s
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+        return sum(amount for _, amount in self._events) / self.window_s

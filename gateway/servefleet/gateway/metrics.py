@@ -1,7 +1,11 @@
 """Prometheus metrics of one gateway, in its own registry (no process-wide state).
 
 Label children are cached per (tenant, model) so the request path does one dict lookup, not a
-label resolution per metric.
+label resolution per metric. Tenant series are capped: the first `tenant_series_limit` tenants
+seen keep their own label value and every later one is summed in `tenant="_other"` (no tenant
+name can contain "_"), so thousands of tenants cost Prometheus a bounded number of series; the
+access log still names every tenant. Pool gauges carry `deployment` as well as `model`, so
+alerts can join them with the autoscaler's series.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from servefleet.api.gateway_stats import DeploymentStats
 PREFIX = "servefleet_gateway_"
 OUTCOMES = ("ok", "4xx", "429", "503", "spilled", "upstream_error")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+OTHER_TENANT = "_other"
+DEFAULT_TENANT_SERIES_LIMIT = 100
 
 
 @dataclass(slots=True)
@@ -30,8 +36,10 @@ class TenantModelMetrics:
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenant_series_limit: int = DEFAULT_TENANT_SERIES_LIMIT) -> None:
         self.registry = CollectorRegistry()
+        self.tenant_series_limit = tenant_series_limit
+        self._labelled_tenants: set[str] = set()
         tm = ["tenant", "model"]
         self.requests = self._counter(
             "requests",
@@ -49,15 +57,21 @@ class GatewayMetrics:
             tm,
         )
         self.queue_depth = self._gauge(
-            "queue_depth", "Requests waiting in the gateway queue.", ["model", "traffic_class"]
+            "queue_depth",
+            "Requests waiting in the gateway queue.",
+            ["deployment", "model", "traffic_class"],
         )
         self.in_flight = self._gauge(
-            "in_flight", "Requests dispatched and not finished.", ["model"]
+            "in_flight", "Requests dispatched and not finished.", ["deployment", "model"]
         )
         self.replica_outstanding = self._gauge(
-            "replica_outstanding", "Outstanding requests per replica.", ["model", "replica"]
+            "replica_outstanding",
+            "Outstanding requests per replica.",
+            ["deployment", "model", "replica"],
         )
-        self.replicas_ready = self._gauge("replicas_ready", "Routable replicas.", ["model"])
+        self.replicas_ready = self._gauge(
+            "replicas_ready", "Routable replicas.", ["deployment", "model"]
+        )
         self.spillovers = self._counter(
             "spillovers", "Requests sent to the hosted API, by reason.", ["model", "reason"]
         )
@@ -90,37 +104,46 @@ class GatewayMetrics:
             PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry
         )
 
+    def tenant_label(self, tenant: str) -> str:
+        """The tenant's own name while under the cap (it keeps it for life), else "_other"."""
+        if tenant in self._labelled_tenants:
+            return tenant
+        if len(self._labelled_tenants) < self.tenant_series_limit:
+            self._labelled_tenants.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
     def for_tenant(self, tenant: str, model: str) -> TenantModelMetrics:
-        key = (tenant, model)
+        key = (self.tenant_label(tenant), model)
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = TenantModelMetrics(
-                {o: self.requests.labels(tenant, model, o) for o in OUTCOMES},
-                self.prompt_tokens.labels(tenant, model),
-                self.completion_tokens.labels(tenant, model),
-                self.queue_wait.labels(tenant, model),
-                self.ttft.labels(tenant, model),
+                {o: self.requests.labels(key[0], model, o) for o in OUTCOMES},
+                self.prompt_tokens.labels(*key),
+                self.completion_tokens.labels(*key),
+                self.queue_wait.labels(*key),
+                self.ttft.labels(*key),
             )
         return found
 
     def set_pool_gauges(self, stats: DeploymentStats) -> None:
         """Gauges are read from the pools at scrape time instead of being kept per request."""
-        model = stats.model
-        self.queue_depth.labels(model, "interactive").set(stats.queue_depth_interactive)
-        self.queue_depth.labels(model, "batch").set(stats.queue_depth_batch)
-        self.in_flight.labels(model).set(stats.in_flight)
-        self.replicas_ready.labels(model).set(stats.ready_replicas)
+        pool = (stats.name, stats.model)
+        self.queue_depth.labels(*pool, "interactive").set(stats.queue_depth_interactive)
+        self.queue_depth.labels(*pool, "batch").set(stats.queue_depth_batch)
+        self.in_flight.labels(*pool).set(stats.in_flight)
+        self.replicas_ready.labels(*pool).set(stats.ready_replicas)
         for replica in stats.replicas:
-            self.replica_outstanding.labels(model, replica.endpoint).set(replica.outstanding)
+            self.replica_outstanding.labels(*pool, replica.endpoint).set(replica.outstanding)
 
     def forget_pool(self, stats: DeploymentStats) -> None:
         """A removed deployment's gauges must not be scraped forever at their last value."""
-        model = stats.model
+        pool = (stats.name, stats.model)
         series = [
-            *((self.queue_depth, (model, c)) for c in ("interactive", "batch")),
-            (self.in_flight, (model,)),
-            (self.replicas_ready, (model,)),
-            *((self.replica_outstanding, (model, r.endpoint)) for r in stats.replicas),
+            *((self.queue_depth, (*pool, c)) for c in ("interactive", "batch")),
+            (self.in_flight, pool),
+            (self.replicas_ready, pool),
+            *((self.replica_outstanding, (*pool, r.endpoint)) for r in stats.replicas),
         ]
         for gauge, labels in series:
             with contextlib.suppress(KeyError):

@@ -48,6 +48,7 @@ class Lease:
     dispatched_at: float
     queue_wait_s: float = 0.0
     released: bool = False
+    batch: bool = False  # a batch request's slot: load, but not demand that buys replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +95,11 @@ class DeploymentPool:
         )
         self.tenants: dict[str, TenantAccess] = {t.name: t for t in config.tenants}
         self.in_flight = 0
+        self.in_flight_batch = 0
         self.service_time = Ewma(config.service_seconds)
         self.cold_start = Ewma(config.cold_start_seconds)
         self._completions = RateWindow()
+        self._spills, self._spilled_tokens = RateWindow(), RateWindow()  # autoscaler's rent-or-buy
         self._seen_starting: set[str] = set()
         self.token_counter: PromptTokenCounter | None = None  # set once loaded (optional)
         self.queue_waits = LatencyWindow()
@@ -191,11 +194,14 @@ class DeploymentPool:
         if outcome.action is Action.SERVE:
             lease = self._dispatch_now(request)
             if lease is not None:
-                self.queue_waits.add(lease.dispatched_at, 0.0)
+                self._granted(request, lease)
                 return lease
         elif outcome.action is Action.SPILL:
             budget = self.spill_budget
             if budget is not None and await budget.take():
+                now = self._clock()
+                self._spills.add(now)
+                self._spilled_tokens.add(now, request.tokens)
                 return Spill(outcome.reason)
             if outcome.predicted_wait_s > self.config.admission.max_queue_wait:
                 return Shed(outcome.predicted_wait_s, "spill-over rate cap reached")
@@ -299,8 +305,17 @@ class DeploymentPool:
                 future.cancel()
             raise
         lease.queue_wait_s = self._clock() - entry.enqueued_at
-        self.queue_waits.add(self._clock(), lease.queue_wait_s)
+        self._granted(request, lease)
         return lease
+
+    def _granted(self, request: PoolRequest, lease: Lease) -> None:
+        """Note a batch slot apart, and only interactive waits: a batch backlog may wait, and
+        neither its queue nor its running requests buy replicas by themselves."""
+        if request.traffic_class is TrafficClass.INTERACTIVE:
+            self.queue_waits.add(self._clock(), lease.queue_wait_s)
+        else:
+            lease.batch = True
+            self.in_flight_batch += 1
 
     def _retry_after(self, now: float) -> float:
         rate, per_replica = self.service_rate(now)
@@ -337,7 +352,10 @@ class DeploymentPool:
         if other is None:
             return None
         self.release(lease, ok=False)
-        return self._lease(other, lease.tokens, now)
+        moved = self._lease(other, lease.tokens, now)
+        moved.batch = lease.batch
+        self.in_flight_batch += lease.batch
+        return moved
 
     def release(self, lease: Lease, *, ok: bool) -> None:
         if lease.released:
@@ -345,6 +363,7 @@ class DeploymentPool:
         lease.released = True
         now = self._clock()
         self.in_flight -= 1
+        self.in_flight_batch -= lease.batch
         if lease.replica.endpoint in self.replicas.replicas:
             self.replicas.release(lease.replica, lease.tokens)
         if ok:
@@ -364,8 +383,11 @@ class DeploymentPool:
             queue_depth_interactive=self.queue.depth(TrafficClass.INTERACTIVE),
             queue_depth_batch=self.queue.depth(TrafficClass.BATCH),
             in_flight=self.in_flight,
+            in_flight_batch=self.in_flight_batch,
             service_rate=rate,
             completions_per_second=self._completions.per_second(now),
+            spilled_per_second=self._spills.per_second(now),
+            spilled_tokens_per_second=self._spilled_tokens.per_second(now),
             mean_service_seconds=self.service_time.value,
             cold_start_seconds=self.cold_start.value,
             queue_wait_p90_seconds=self.queue_waits.percentile(now, 0.9),

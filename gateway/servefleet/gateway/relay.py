@@ -1,9 +1,10 @@
 """Send an upstream response (engine or hosted API) on to the client.
 
 A whole body goes as it came, unless it is an error the tenant should see in OpenAI's shape; a
-stream is relayed event by event (`proxy.SseRelay`), and a client that leaves closes the
-upstream, which aborts the generation. What was relayed (usage, events, first byte) is noted on
-the `Call` for settling, and the request's outcome and TTFT are counted here, where they happen.
+stream is relayed event by event (`proxy.SseRelay`). A client that leaves, streaming or not,
+closes the upstream, which aborts the generation. What was relayed (usage, events, first byte)
+is noted on the `Call` for settling, and the request's outcome and TTFT are counted here, where
+they happen.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from collections.abc import Callable
 
 from servefleet.gateway.asgi import JSON, Headers, Receive, Send, respond
 from servefleet.gateway.call import Call
+from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
 from servefleet.gateway.errors import error_body, sse_error_event
 from servefleet.gateway.proxy import SseRelay, upstream_error_message, usage_from_json
+from servefleet.gateway.queueing import TrafficClass
 from servefleet.gateway.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 ROUTE_POOL = b"pool"
@@ -35,16 +38,26 @@ class Relay:
             *call.rl_headers,
         ]
         if response.status != 200 or not call.stream:
-            return await self._whole(call, response, send, headers, spill=spill)
+            return await self._whole(call, response, send, receive, headers, spill=spill)
         return await self._stream(call, response, send, receive, headers, spill=spill)
 
     async def _whole(
-        self, call: Call, response: UpstreamResponse, send: Send, headers: Headers, *, spill: bool
+        self,
+        call: Call,
+        response: UpstreamResponse,
+        send: Send,
+        receive: Receive,
+        headers: Headers,
+        *,
+        spill: bool,
     ) -> bool:
         m = call.route.metrics
         status = response.status
         try:
-            body = await response.read()
+            body = await unless_client_leaves(response.read(), receive)
+        except ClientGone:
+            response.close()
+            return False  # nothing was delivered, so nothing is charged
         except UpstreamError as exc:
             response.close()
             m.outcome["upstream_error"].inc()
@@ -113,8 +126,11 @@ class Relay:
 
     def _observe_ttft(self, call: Call, spill: bool) -> None:
         ttft = self._clock() - call.started
+        call.ttft_s = ttft
         call.route.metrics.ttft.observe(ttft)
-        if not spill:  # the pool's own TTFT is what its autoscaler acts on
+        # The pool's own interactive TTFT is what its autoscaler acts on: a batch backlog may
+        # wait, and must not buy replicas through its latency either.
+        if not spill and call.route.traffic_class is TrafficClass.INTERACTIVE:
             call.route.pool.record_ttft(ttft)
 
 
@@ -144,6 +160,7 @@ async def _error(
 
 
 def _count_ok(call: Call, spill: bool) -> None:
+    call.completed = True
     m = call.route.metrics
     m.outcome["spilled" if spill else "ok"].inc()
     if call.used is not None:

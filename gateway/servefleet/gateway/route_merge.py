@@ -91,16 +91,19 @@ def secret_path(ref: SecretValueRef, namespace: str, mount: str = SECRETS_MOUNT)
 def referenced_secrets(
     route: Route, mount: str = SECRETS_MOUNT
 ) -> tuple[set[SecretKeyPath], set[SecretKeyPath]]:
-    """(tenant key references, spill-over key references) of a route; raises RouteError."""
+    """(tenant key references, value references) of a route; raises RouteError.
+
+    Values (spill-over and engine keys) are kept as they are: they are sent upstream."""
     tenant_refs: set[SecretKeyPath] = set()
     for tenant in route.config.tenants:
         for key in tenant.api_keys:
             if key.source is not None:
                 tenant_refs.add(secret_path(key.source, route.namespace, mount))
     spill_refs = {
-        secret_path(d.spillover_api_key, route.namespace, mount)
+        secret_path(ref, route.namespace, mount)
         for d in route.config.deployments
-        if d.spillover_api_key is not None
+        for ref in (d.spillover_api_key, d.engine_api_key)
+        if ref is not None
     }
     return tenant_refs, spill_refs
 
@@ -149,6 +152,13 @@ def resolve_route(
                 update |= {"spillover": None, "spillover_api_key": None}
             else:
                 update["spillover_api_key"] = SecretValueRef(value=value)
+        if deployment.engine_api_key is not None:
+            path = secret_path(deployment.engine_api_key, route.namespace, mount)
+            value = secrets.values.get(path)
+            if value is None:  # engines would answer 401: serve nothing until the key is there
+                warnings.append(f"{route.id}: engine key {path} not found; not served yet")
+                continue
+            update["engine_api_key"] = SecretValueRef(value=value)
         deployments.append(deployment.model_copy(update=update))
     resolved = route.config.model_copy(update={"tenants": tenants, "deployments": deployments})
     return resolved, warnings

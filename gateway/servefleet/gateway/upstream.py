@@ -296,8 +296,8 @@ class UpstreamPool:
             conn.transport.write(payload)
             try:
                 await response.wait_headers()
-            except UpstreamTimeout:
-                response.close()
+            except (UpstreamTimeout, asyncio.CancelledError):
+                response.close()  # cancelled: the client left, so the upstream must stop too
                 raise
             except UpstreamError:
                 response.close()

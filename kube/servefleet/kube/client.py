@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .config import Credentials, current_credentials
 from .errors import KubeError
-from .resources import EVENTS, Resource, resource_of
+from .resources import EVENTS, PODS, Resource, resource_of
 
 Object = dict[str, Any]
 MERGE_PATCH = "application/merge-patch+json"
@@ -149,6 +149,21 @@ class KubeClient:
             r.get("name") == plural for r in body.get("resources") or []
         )
 
+    async def pod_log(self, namespace: str, name: str, container: str, tail_lines: int = 20) -> str:
+        """The last lines a container logged (what `kubectl logs --tail` shows)."""
+        path = PODS.path(namespace, name, "log")
+        query = {"container": container, "tailLines": str(tail_lines)}
+        response = await self._send("GET", path, query=query)
+        try:
+            text = await response.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise KubeError(0, f"GET {path}: {exc}") from exc
+        finally:
+            response.release()
+        if response.status >= 400:
+            raise KubeError(response.status, _status_message(text) or response.reason or "")
+        return text
+
     # -- writes -------------------------------------------------------------------------
 
     async def apply(self, obj: Object, field_manager: str, *, force: bool = True) -> Object:
@@ -157,6 +172,21 @@ class KubeClient:
         path = resource_of(obj).path(meta.get("namespace"), meta["name"])
         query = {"fieldManager": field_manager, "force": "true" if force else "false"}
         return await self._required("PATCH", path, query=query, body=obj, content_type=APPLY_PATCH)
+
+    async def create(self, obj: Object, field_manager: str) -> bool:
+        """POST a new object; False when one of that name exists already (it is left as is).
+
+        For objects that must be written once and never overwritten (a generated key), with
+        only the `create` verb: no `get`, which on Secrets would mean reading them."""
+        meta = obj["metadata"]
+        path = resource_of(obj).path(meta.get("namespace"))
+        try:
+            await self._required("POST", path, query={"fieldManager": field_manager}, body=obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     async def patch(
         self,

@@ -45,6 +45,9 @@ ENDPOINT_SLICES = Resource(
 POD_DISRUPTION_BUDGETS = Resource(
     api_version="policy/v1", kind="PodDisruptionBudget", plural="poddisruptionbudgets"
 )
+NETWORK_POLICIES = Resource(
+    api_version="networking.k8s.io/v1", kind="NetworkPolicy", plural="networkpolicies"
+)
 SERVICE_MONITORS = Resource(
     api_version="monitoring.coreos.com/v1", kind="ServiceMonitor", plural="servicemonitors"
 )
@@ -61,6 +64,7 @@ KNOWN: dict[tuple[str, str], Resource] = {
         DEPLOYMENTS,
         ENDPOINT_SLICES,
         POD_DISRUPTION_BUDGETS,
+        NETWORK_POLICIES,
         SERVICE_MONITORS,
         LLM_DEPLOYMENTS,
     )

@@ -41,8 +41,9 @@ def model_argument(spec: LLMDeploymentSpec) -> str:
             )
         return str(folder)
     raise LocalModeError(
-        "model.source.url is not downloaded in local mode; download it and use "
-        "model.source.pvc.path (an absolute folder) or a builtin model"
+        f"model.source.{source.kind} is not fetched in local mode; fetch it with "
+        "`servefleet model fetch --source JSON --cache DIR` and use model.source.pvc.path "
+        "(the absolute path it prints) or a builtin model"
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from servefleet.autoscaler.telemetry import AutoscalerMetrics
 from servefleet.gateway.app import Gateway
 
 from .actuator import LocalActuator
+from .capacity import LocalCapacity
 from .engine_command import engine_command
 from .supervisor import DeploymentSupervisor
 from .tenants import LocalTenants
@@ -50,6 +52,9 @@ class LocalOptions:
     engine_command: EngineCommand = engine_command
     stop_timeout_s: float = 5.0
     env: dict[str, str] | None = None
+    # The gateway's socket, bound by the caller before anything starts (a busy port is then
+    # one line, not a half-started plane); None: uvicorn binds host:port itself.
+    listener: socket.socket | None = None
 
 
 @dataclass
@@ -58,6 +63,7 @@ class LocalControlPlane:
     tenants: LocalTenants
     options: LocalOptions
     metrics: AutoscalerMetrics = field(default_factory=AutoscalerMetrics)
+    capacity: LocalCapacity = field(default_factory=LocalCapacity)
     supervisors: dict[str, DeploymentSupervisor] = field(default_factory=dict)
     autoscalers: dict[str, DeploymentAutoscaler] = field(default_factory=dict)
     gateway: Gateway | None = None
@@ -81,9 +87,12 @@ class LocalControlPlane:
         gateway = Gateway(config)
         self.gateway = gateway
         self._server = _QuietServer(
-            uvicorn.Config(gateway, host=opts.host, port=opts.port, log_level="warning")
+            uvicorn.Config(
+                gateway, host=opts.host, port=opts.port, log_config=None, log_level="warning"
+            )
         )
-        self._tasks.append(asyncio.create_task(self._server.serve(), name="gateway"))
+        sockets = [opts.listener] if opts.listener is not None else None
+        self._tasks.append(asyncio.create_task(self._server.serve(sockets), name="gateway"))
         while not self._server.started:
             if self._tasks[0].done():
                 self._tasks[0].result()
@@ -110,6 +119,7 @@ class LocalControlPlane:
         )
         supervisor.scale(spec.desired_replicas())
         self.supervisors[name] = supervisor
+        self.capacity.add(name, spec, supervisor)
         self._tasks.append(asyncio.create_task(supervisor.run(), name=f"supervise-{name}"))
         if not spec.autoscaling.enabled:
             return
@@ -117,13 +127,16 @@ class LocalControlPlane:
         async def observe() -> Observation:
             assert self._client is not None
             stats = (await source.deployments()).get(name)
-            return await observe_deployment(
+            observed = await observe_deployment(
                 client=self._client,
                 gateway=stats,
                 replicas=supervisor.targets(),
                 engine_kind=spec.engine.kind,
                 model_name=spec.model.name,
             )
+            # One machine: more engines than fit would only share the same cores.
+            free = self.capacity.free_replicas(name)
+            return observed.model_copy(update={"free_capacity": free})
 
         autoscaler = DeploymentAutoscaler(
             name, targets_from_spec(spec), observe, LocalActuator(supervisor), self.metrics

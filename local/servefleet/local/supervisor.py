@@ -1,7 +1,8 @@
 """Engine replicas as local processes: what a ReplicaSet and kubelet do, for one deployment.
 
 The supervisor keeps `desired` live replicas: it starts processes (each on its own port),
-marks them ready when `/ready` answers 200, replaces any that die or never become ready,
+marks them ready when `/ready` answers 200, replaces any that die or never become ready
+(with exponential back-off while they keep crashing, their last log lines on the console),
 and on scale-down drains the chosen one with SIGTERM (the engine stops admitting, finishes
 in-flight requests, exits 0). Children run in their own session so a terminal Ctrl-C reaches
 only us, and we stop them in order; if we die, the kernel sends them SIGTERM.
@@ -29,6 +30,7 @@ from servefleet.api.engines import engine_adapter
 from servefleet.autoscaler.observe import ReplicaTarget
 from servefleet.autoscaler.signals import ReplicaState
 
+from .crash_backoff import CrashBackoff, last_lines
 from .ports import free_port
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class ReplicaProcess:
     process: asyncio.subprocess.Process
     started_at: float
     log_file: IO[bytes]
+    log_path: Path
     state: ReplicaState = ReplicaState.STARTING
     ready_at: float | None = None
 
@@ -85,6 +88,7 @@ class DeploymentSupervisor:
         stop_timeout_s: float = 5.0,
         poll_interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        backoff: CrashBackoff | None = None,
     ) -> None:
         self.name = name
         self._command_for = command_for
@@ -96,6 +100,7 @@ class DeploymentSupervisor:
         self._stop_timeout_s = stop_timeout_s
         self._poll_interval_s = poll_interval_s
         self._clock = clock
+        self.backoff = backoff or CrashBackoff()
         self._ids = itertools.count()
         self.desired = 0
         self.replicas: dict[str, ReplicaProcess] = {}
@@ -139,6 +144,8 @@ class DeploymentSupervisor:
         # between a death and its replacement.
         live = self.live()
         for _ in range(self.desired - len(live)):
+            if not self.backoff.may_start(self._clock()):
+                break
             await self._start()
         if len(live) > self.desired:
             for victim in self._victims(live, len(live) - self.desired):
@@ -171,7 +178,8 @@ class DeploymentSupervisor:
         name = f"{self.name}-{next(self._ids)}"
         port = free_port(self._host)
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self._log_dir / f"{name}.log", "ab")  # noqa: SIM115 (lives with the process)
+        log_path = self._log_dir / f"{name}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 (lives with the process)
         argv = self._command_for(port)
         process = await asyncio.create_subprocess_exec(
             *argv,
@@ -189,6 +197,7 @@ class DeploymentSupervisor:
             process=process,
             started_at=self._clock(),
             log_file=log_file,
+            log_path=log_path,
         )
         self.replicas[name] = replica
         self._note(replica, f"started pid {process.pid} port {port}")
@@ -230,8 +239,20 @@ class DeploymentSupervisor:
             return
         replica.log_file.close()
         code = replica.process.returncode
-        expected = replica.state is ReplicaState.DRAINING or self._stopping
-        self._note(replica, f"exited {code}" + ("" if expected else " unexpectedly; replacing it"))
+        if replica.state is ReplicaState.DRAINING or self._stopping:
+            self._note(replica, f"exited {code}")
+            return
+        now = self._clock()
+        ready_for = None if replica.ready_at is None else now - replica.ready_at
+        delay = self.backoff.crashed(now, ready_for)
+        self._note(
+            replica,
+            f"exited {code} unexpectedly (crash {self.backoff.crashes} in a row); "
+            f"replacing it in {delay:.0f}s; its last lines ({replica.log_path}):",
+            level=logging.WARNING,
+        )
+        for line in last_lines(replica.log_path):
+            log.warning("%s| %s", replica.name, line)
 
     def _publish(self) -> None:
         endpoints = [r.base_url for r in self.live()]
@@ -240,6 +261,6 @@ class DeploymentSupervisor:
             self._published = (endpoints, ready)
             self._on_change(endpoints, ready)
 
-    def _note(self, replica: ReplicaProcess, event: str) -> None:
+    def _note(self, replica: ReplicaProcess, event: str, level: int = logging.INFO) -> None:
         self.timeline.append(TimelineEntry(self._clock(), replica.name, event))
-        log.info("%s: %s", replica.name, event)
+        log.log(level, "%s: %s", replica.name, event)

@@ -23,6 +23,7 @@ from servefleet.api.conventions import (
     LABEL_APP_MANAGED_BY,
     LABEL_DEPLOYMENT,
 )
+from servefleet.api.fetch_progress import FETCH_CONTAINER
 from servefleet.api.llmdeployment import (
     API_GROUP,
     API_VERSION,
@@ -32,8 +33,9 @@ from servefleet.api.llmdeployment import (
     LLMDeployment,
 )
 from servefleet.kube import KubeAccess, KubeClient, KubeError
-from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, SERVICE_MONITORS
+from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, PODS, SERVICE_MONITORS
 from servefleet.operator import render
+from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
 from servefleet.operator.status import (
     EventSpec,
     Observed,
@@ -120,6 +122,12 @@ class Reconciler:
             children = render.children(
                 dep, self.render_settings, await self._with_service_monitor()
             )
+            try:
+                await self._ensure_engine_key(dep)
+                await self._ensure_replicas(dep)
+            except KubeError as exc:
+                error = f"preparing {dep.name}: {exc.message}"
+                children = []
             for obj in children:
                 try:
                     await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
@@ -129,6 +137,25 @@ class Reconciler:
             await self._write_status(dep, error)
         if error:
             raise kopf.TemporaryError(error, delay=10)
+
+    async def _ensure_replicas(self, dep: LLMDeployment) -> None:
+        """Give an unset spec.replicas its value (the warm minimum) through the scale subresource.
+
+        The API server cannot read the scale of a custom resource whose replicas path is
+        absent (a 500 for an HPA or `kubectl get --subresource=scale`), while the YAML in Git
+        must leave the field out so that syncs never reset the autoscaler's count.
+        """
+        if dep.spec.replicas is None:
+            replicas = dep.spec.desired_replicas()
+            await self.client.set_scale(
+                LLM_DEPLOYMENTS, dep.namespace, dep.name, replicas, FIELD_MANAGER_OPERATOR
+            )
+
+    async def _ensure_engine_key(self, dep: LLMDeployment) -> None:
+        """Create the engine key Secret when absent; an existing one is never rewritten."""
+        secret = render.engine_key_secret_for(dep)
+        if secret is not None:
+            await self.client.create(secret, FIELD_MANAGER_OPERATOR)
 
     async def resync_once(self) -> int:
         """Reconcile every LLMDeployment once; returns how many were visited."""
@@ -174,9 +201,31 @@ class Reconciler:
                 return  # the spec handlers report it
             await self._write_status(dep, None)
 
+    async def _observe_fetches(
+        self, dep: LLMDeployment
+    ) -> tuple[list[dict[str, Any]] | None, dict[str, str]]:
+        """Engine pods and their running fetch containers' log tails, for ModelLoading
+        (only for downloaded sources; (None, {}) when they cannot be read)."""
+        if not dep.spec.model.source.downloads:
+            return None, {}
+        try:
+            pods = (await self.client.list(PODS, dep.namespace, render.selector_string(dep))).items
+            logs = {
+                name: await self.client.pod_log(
+                    dep.namespace, name, FETCH_CONTAINER, LOG_TAIL_LINES
+                )
+                for name in fetching_pods(pods)
+            }
+        except KubeError as exc:
+            log.warning("cannot read model downloads of %s/%s: %s", dep.namespace, dep.name, exc)
+            return None, {}
+        return pods, logs
+
     async def _write_status(self, dep: LLMDeployment, error: str | None) -> None:
         deployment = await self.client.get(DEPLOYMENTS, dep.namespace, render.engine_name(dep))
-        new = compute_status(dep, Observed(deployment, error), self.endpoint, _now())
+        pods, logs = await self._observe_fetches(dep)
+        observed = Observed(deployment, error, pods=pods, fetch_logs=logs)
+        new = compute_status(dep, observed, self.endpoint, _now())
         if status_patch(new) == status_patch(dep.status):
             return
         await self.client.patch_status(

@@ -9,7 +9,6 @@ autoscaler makes the idlest replica the one removed on scale-down).
 
 from __future__ import annotations
 
-import posixpath
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +29,12 @@ from servefleet.api.conventions import (
     LABEL_DEPLOYMENT,
     LABEL_ENGINE,
     LABEL_GATEWAY_ROUTE,
-    MODEL_MOUNT,
-    MODEL_VOLUME,
     PART_OF,
     ROUTE_GATEWAY_KEY,
     SECRETS_MOUNT,
     SHM_MOUNT,
     SHM_VOLUME,
+    engine_key_secret_name,
     engine_object_name,
     engine_selector,
     label_selector,
@@ -45,6 +43,16 @@ from servefleet.api.conventions import (
 from servefleet.api.engines import EngineAdapter, engine_adapter
 from servefleet.api.gateway_config import MountedSecretKeys, ServiceRef, render_gateway_config
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
+from servefleet.operator.isolation import (
+    CONTAINER_SECURITY,
+    engine_key_env,
+    engine_key_ref,
+    engine_key_secret,
+    network_policy,
+    pod_security,
+)
+from servefleet.operator.model_init import model_location
+from servefleet.operator.placement import placement
 
 PROBE_PERIOD_SECONDS = 5
 # Time between SIGKILL and the end of the engine's own drain, for the process to exit.
@@ -116,42 +124,6 @@ def _meta(
 # --------------------------------------------------------------------------- engine pods
 
 
-def _model_location(
-    dep: LLMDeployment, settings: RenderSettings
-) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the engine's --model value, volumes, volume mounts, init containers)."""
-    source = dep.spec.model.source
-    if source.builtin is not None:
-        return source.builtin, [], [], []
-    if source.pvc is not None:
-        volume = {
-            "name": MODEL_VOLUME,
-            "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True},
-        }
-        mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}
-        path = posixpath.join(MODEL_MOUNT, source.pvc.path) if source.pvc.path else MODEL_MOUNT
-        return path, [volume], [mount], []
-    assert source.url is not None
-    filename = posixpath.basename(source.url.split("?", 1)[0]) or "model"
-    target = posixpath.join(MODEL_MOUNT, filename)
-    volume = {"name": MODEL_VOLUME, "emptyDir": {}}
-    fetch = {
-        "name": "fetch-model",
-        "image": settings.engine_image,
-        "imagePullPolicy": settings.image_pull_policy,
-        "command": [
-            "python3",
-            "-c",
-            "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])",
-            source.url,
-            target,
-        ],
-        "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}],
-    }
-    mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}
-    return target, [volume], [mount], [fetch]
-
-
 def _env(dep: LLMDeployment) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for var in dep.spec.engine.env:
@@ -208,7 +180,9 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
     engine = dep.spec.engine
     adapter = engine_adapter(engine.kind)
     image = engine.image or adapter.default_image or settings.engine_image
-    model_arg, volumes, mounts, init_containers = _model_location(dep, settings)
+    model = model_location(dep.spec.model, settings.engine_image, settings.image_pull_policy)
+    model_arg, volumes, mounts = model.model_arg, model.volumes, model.mounts
+    init_containers = model.init_containers
     if adapter.needs_shared_memory:
         volumes = [*volumes, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
         mounts = [*mounts, {"name": SHM_VOLUME, "mountPath": SHM_MOUNT}]
@@ -217,12 +191,12 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(adapter.command),
-        "args": adapter.args(dep.spec, model_arg, adapter.pod_listen()),
+        "args": adapter.args(dep.spec, model_arg, adapter.pod_listen(), api_key=True),
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": adapter.port, "protocol": "TCP"}],
         **_probes(adapter, engine.startup_timeout_seconds),
+        "securityContext": CONTAINER_SECURITY,
     }
-    if env := _env(dep):
-        container["env"] = env
+    container["env"] = [*engine_key_env(dep, adapter), *_env(dep)]
     if resources := _resources(dep):
         container["resources"] = resources
     if mounts:
@@ -232,15 +206,15 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         # The engine drains in-flight requests on SIGTERM; give it that long, plus exit time.
         "terminationGracePeriodSeconds": engine.drain_timeout_seconds + EXIT_GRACE_SECONDS,
         "enableServiceLinks": False,
+        "securityContext": {**pod_security(adapter), **model.pod_security},
+        **placement(dep),
     }
     if init_containers:
-        spec["initContainers"] = init_containers
+        spec["initContainers"] = [
+            {"securityContext": CONTAINER_SECURITY, **init} for init in init_containers
+        ]
     if volumes:
         spec["volumes"] = volumes
-    if engine.resources.gpus() > 0:
-        spec["tolerations"] = [
-            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-        ]
     return {
         "metadata": {
             "labels": {**common_labels(dep), **selector_labels(dep), LABEL_ENGINE: engine.kind},
@@ -309,6 +283,16 @@ def pod_disruption_budget(dep: LLMDeployment) -> dict[str, Any]:
     }
 
 
+def engine_network_policy(dep: LLMDeployment) -> dict[str, Any]:
+    return network_policy(dep, _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}))
+
+
+def engine_key_secret_for(dep: LLMDeployment) -> dict[str, Any] | None:
+    """The engine key Secret to create once (None: the spec names its own); see isolation."""
+    meta = _meta(dep, engine_key_secret_name(dep.name), {LABEL_COMPONENT: COMPONENT_ENGINE})
+    return engine_key_secret(dep, meta)
+
+
 def service_monitor(dep: LLMDeployment) -> dict[str, Any]:
     """Prometheus Operator scrape config for the engine replicas (only when that CRD exists)."""
     adapter = engine_adapter(dep.spec.engine.kind)
@@ -338,6 +322,7 @@ def gateway_config(dep: LLMDeployment) -> dict[str, Any]:
                 namespace=dep.namespace, name=engine_name(dep), port_name=ENGINE_PORT_NAME
             )
         },
+        engine_keys={dep.name: engine_key_ref(dep)},
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
     return result
@@ -375,6 +360,7 @@ def children(
         headless_service(dep),
         engine_deployment(dep, settings),
         pod_disruption_budget(dep),
+        engine_network_policy(dep),
     ]
     if with_service_monitor:
         objects.append(service_monitor(dep))

@@ -7,10 +7,11 @@ cluster state (it reads, it does not remember).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from servefleet.api.llmdeployment import Condition, LLMDeployment, LLMDeploymentStatus
+from servefleet.operator.model_loading import model_loading
 from servefleet.operator.render import selector_string
 
 
@@ -29,6 +30,9 @@ class Observed:
 
     deployment: dict[str, Any] | None
     reconcile_error: str | None = None
+    # Engine pods and their fetch logs, for ModelLoading; None: not read (keep the last).
+    pods: list[dict[str, Any]] | None = None
+    fetch_logs: dict[str, str] = field(default_factory=dict)
 
 
 def _int(status: dict[str, Any], key: str) -> int:
@@ -175,8 +179,25 @@ def compute_status(
         queue_depth=dep.status.queue_depth,
         endpoint=endpoint,
         selector=selector_string(dep),
-        conditions=[_ready(r), _progressing(r), _degraded(r, observed), _scaling_limited(r, dep)],
+        conditions=[
+            _ready(r),
+            _progressing(r),
+            _degraded(r, observed),
+            _scaling_limited(r, dep),
+            *_model_loading(r, dep, observed),
+        ],
     )
+
+
+def _model_loading(r: _Rollout, dep: LLMDeployment, observed: Observed) -> list[Condition]:
+    """ModelLoading, only for sources that are downloaded (see `model_loading`)."""
+    if not dep.spec.model.source.downloads:
+        return []
+    if observed.pods is None:
+        kept = dep.status.condition("ModelLoading")
+        return [kept] if kept is not None else []
+    status, reason, message = model_loading(observed.pods, observed.fetch_logs)
+    return [r.condition("ModelLoading", status, reason, message)]
 
 
 def transition_events(old: LLMDeploymentStatus, new: LLMDeploymentStatus) -> list[EventSpec]:
@@ -190,16 +211,19 @@ def transition_events(old: LLMDeploymentStatus, new: LLMDeploymentStatus) -> lis
                 f"desired replicas {old.desired_replicas} -> {new.desired_replicas}",
             )
         )
-    for type_ in ("Ready", "Progressing", "Degraded", "ScalingLimited"):
+    for type_ in ("Ready", "Progressing", "Degraded", "ScalingLimited", "ModelLoading"):
         before, after = old.condition(type_), new.condition(type_)
         if after is None or (
             before is not None and before.status == after.status and before.reason == after.reason
         ):
             continue
-        if before is None and after.status == "False" and type_ != "Ready":
+        failed = after.reason == "DownloadFailed"
+        if before is None and after.status == "False" and type_ != "Ready" and not failed:
             continue  # "not degraded" / "not progressing" on first sight is not news
-        warning = (type_ in ("Degraded", "ScalingLimited") and after.status == "True") or (
-            type_ == "Ready" and after.status == "False" and before is not None
+        warning = (
+            (type_ in ("Degraded", "ScalingLimited") and after.status == "True")
+            or (type_ == "Ready" and after.status == "False" and before is not None)
+            or failed
         )
         events.append(
             EventSpec(

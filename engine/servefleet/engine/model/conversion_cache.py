@@ -5,15 +5,18 @@ float32 result, the rebuilt tokenizer and the config are stored as plain files (
 `tokenizer.json`, JSON) so the next start only memory-maps them. Entries are keyed by the
 source file's identity (resolved path, size, mtime, a content sample) and the converter
 version, and are published with an atomic rename, so concurrent starts never see half an
-entry.
+entry. A conversion (minutes for a 7B model) logs progress lines; a cache hit logs nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +33,8 @@ from servefleet.text.tokenizer import Tokenizer
 CONVERTER_VERSION = 3
 CACHE_DIR_ENV = "SERVEFLEET_CACHE_DIR"
 _SAMPLE_BYTES = 1 << 20
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,3 +139,52 @@ def write_entry(directory: Path, source: Path, checkpoint: Checkpoint) -> None:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+class ConversionProgress:
+    """Progress lines for one GGUF conversion: a first line, one every `interval_s` while
+    tensors are converted, a last one with the time taken. Counted in tensor steps (each
+    tensor is visited once to dequantize and once for its packed blocks)."""
+
+    def __init__(
+        self,
+        source: Path,
+        total_steps: int,
+        *,
+        interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.source = source
+        self.total_steps = max(1, total_steps)
+        self.steps = 0
+        self._interval_s = interval_s
+        self._clock = clock
+        self._started = clock()
+        self._last_line = self._started
+        size_mb = source.stat().st_size / 1e6 if source.exists() else 0.0
+        logger.info(
+            "converting: source=%s size_mb=%.0f (first start only; the result is cached)",
+            source,
+            size_mb,
+        )
+
+    def step(self) -> None:
+        self.steps += 1
+        now = self._clock()
+        if now - self._last_line >= self._interval_s and self.steps < self.total_steps:
+            self._last_line = now
+            logger.info(
+                "converting: %d%% (%d/%d tensor steps) elapsed_s=%.0f",
+                100 * self.steps // self.total_steps,
+                self.steps,
+                self.total_steps,
+                now - self._started,
+            )
+
+    def done(self, cached_in: Path | None) -> None:
+        logger.info(
+            "converted: source=%s seconds=%.1f cached_in=%s",
+            self.source,
+            self._clock() - self._started,
+            cached_in if cached_in is not None else "-",
+        )

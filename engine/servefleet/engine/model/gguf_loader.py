@@ -10,6 +10,7 @@ both GGUF and safetensors checkpoints.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -95,13 +96,18 @@ def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every model tensor of the file, dequantized to float32, under HF names."""
+def read_gguf_weights(
+    reader: GGUFReader, config: ModelConfig, on_tensor: Callable[[], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every model tensor of the file, dequantized to float32, under HF names;
+    `on_tensor` is called after each tensor of the file (progress)."""
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     permuted = arch in _PERMUTED_ARCHITECTURES
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if on_tensor is not None:
+            on_tensor()
         name = hf_name(tensor.name)
         if name is None:
             continue
@@ -115,13 +121,17 @@ def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torc
     return weights
 
 
-def read_gguf_block_quantized(reader: GGUFReader, config: ModelConfig) -> dict[str, BlockQuantized]:
+def read_gguf_block_quantized(
+    reader: GGUFReader, config: ModelConfig, on_tensor: Callable[[], None] | None = None
+) -> dict[str, BlockQuantized]:
     """The 2-D tensors stored in a packable block format (Q4_0, Q4_1, Q8_0), as integers
     and scales under HF names, with q/k rows un-permuted like `read_gguf_weights`."""
     field = reader.fields.get("general.architecture")
     permuted = (field.contents() if field is not None else None) in _PERMUTED_ARCHITECTURES
     quantized: dict[str, BlockQuantized] = {}
     for tensor in reader.tensors:
+        if on_tensor is not None:
+            on_tensor()
         name = hf_name(tensor.name)
         if name is None or tensor.tensor_type.name not in GGUF_BLOCK_FORMATS:
             continue

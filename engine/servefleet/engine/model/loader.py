@@ -12,6 +12,7 @@ from servefleet.engine.attention import PagedAttention
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.conversion_cache import (
     Checkpoint,
+    ConversionProgress,
     default_cache_root,
     entry_dir,
     read_entry,
@@ -119,19 +120,24 @@ def _read_gguf(path: Path, cache_root: Path | None, use_cache: bool) -> Checkpoi
 
     reader = open_gguf(path)
     config = config_from_gguf(reader)
+    progress = ConversionProgress(path, 2 * len(reader.tensors))
     checkpoint = Checkpoint(
         config=config,
-        weights=fuse_hf_weights(config, read_gguf_weights(reader, config)),
+        weights=fuse_hf_weights(config, read_gguf_weights(reader, config, progress.step)),
         tokenizer=Tokenizer.from_gguf_fields(reader.fields),
         chat_template=gguf_chat_template(reader.fields),
         name=path.stem,
-        packed=fuse_packed_weights(config, read_gguf_block_quantized(reader, config)),
+        packed=fuse_packed_weights(
+            config, read_gguf_block_quantized(reader, config, progress.step)
+        ),
     )
     if directory is not None:
         try:
             write_entry(directory, path, checkpoint)
         except OSError as exc:  # the cache only saves time; serving goes on without it
             logger.warning("could not cache converted %s in %s: %s", path, directory, exc)
+            directory = None
+    progress.done(directory)
     return checkpoint
 
 

@@ -1,0 +1,72 @@
+"""`--api-key`: every /v1 route needs `Authorization: Bearer KEY`, as in vLLM.
+
+Probes and scrapes (/health, /ready, /metrics) stay open: kubelet and Prometheus carry no
+key. Pure ASGI, so streamed responses pass through untouched; the comparison takes the same
+time whatever the key sent.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+PROTECTED_PREFIX = "/v1"
+
+_UNAUTHORIZED = json.dumps(
+    {
+        "error": {
+            "message": "Incorrect or missing API key: send `Authorization: Bearer KEY`.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+).encode()
+
+
+def is_protected(path: str, root_path: str = "") -> bool:
+    """True for /v1 and everything under it (behind an optional root path)."""
+    rest = path.removeprefix(root_path) if root_path else path
+    return rest == PROTECTED_PREFIX or rest.startswith(PROTECTED_PREFIX + "/")
+
+
+def bearer_matches(authorization: bytes | None, api_key: str) -> bool:
+    expected = f"Bearer {api_key}".encode()
+    return authorization is not None and hmac.compare_digest(authorization, expected)
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("an empty API key would let every request in")
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope.get("method") != "OPTIONS"  # CORS preflights carry no credentials
+            and is_protected(scope["path"], scope.get("root_path", ""))
+        ):
+            headers = dict(scope.get("headers") or [])
+            if not bearer_matches(headers.get(b"authorization"), self.api_key):
+                await _send_unauthorized(send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _send_unauthorized(send: Send) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": _UNAUTHORIZED})

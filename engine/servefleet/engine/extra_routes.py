@@ -1,0 +1,128 @@
+"""The API beyond generation: one model's card, /version, /tokenize, /detokenize, embeddings.
+
+Shapes follow OpenAI (`GET /v1/models/{id}`, `POST /v1/embeddings`) and vLLM (`/version`,
+`/tokenize`, `/detokenize`), so clients written for either work unchanged. Bodies are the
+shared request models, checked like every other request (`request_checks`).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+
+from servefleet.api.openai_requests import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+from servefleet.api.openai_version import version_body
+from servefleet.engine.embedder import embed
+from servefleet.engine.protocol import OpenAIError, usage
+from servefleet.engine.request_checks import admit, model_not_found, parse, prompt_ids
+from servefleet.text.messages import template_messages
+
+if TYPE_CHECKING:
+    from servefleet.engine.server import ServingState
+
+
+def model_card(state: ServingState) -> dict[str, Any]:
+    return {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "servefleet",
+        "max_model_len": state.max_model_len,
+    }
+
+
+def add_extra_routes(app: FastAPI, state: ServingState) -> None:
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        if model_id != state.served_model_name:
+            raise model_not_found(model_id)
+        return model_card(state)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return version_body()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await parse(request, TokenizeRequest)
+        _check_model(state, body.model)
+        tokens = _tokenize(state, body)
+        strs = [state.tokenizer.id_to_token(t) or "" for t in tokens]
+        return {
+            "count": len(tokens),
+            "max_model_len": state.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await parse(request, DetokenizeRequest)
+        _check_model(state, body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise OpenAIError(
+                400, f"tokens: ids out of range [0, {vocab}): {bad[:5]}", param="tokens"
+            )
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        body = await parse(request, EmbeddingRequest)
+        admit(state, body.model)
+        prompts = [prompt_ids(state, item, "input") for item in body.inputs()]
+        for ids in prompts:
+            if len(ids) > state.max_model_len:
+                raise OpenAIError(
+                    400,
+                    f"This model's maximum context length is {state.max_model_len} tokens; an "
+                    f"input has {len(ids)}.",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+        runner = state.engine.runner
+        data = []
+        for index, ids in enumerate(prompts):
+            vector = await state.engine.call(partial(embed, runner, ids))
+            data.append({"object": "embedding", "index": index,
+                         "embedding": _encode(vector, body.encoding_format)})  # fmt: skip
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        used = usage(prompt_tokens, 0)
+        return {
+            "object": "list",
+            "data": data,
+            "model": state.served_model_name,
+            "usage": {"prompt_tokens": used["prompt_tokens"], "total_tokens": used["total_tokens"]},
+        }
+
+
+def _check_model(state: ServingState, model: str | None) -> None:
+    if model is not None and model != state.served_model_name:
+        raise model_not_found(model)
+
+
+def _tokenize(state: ServingState, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return state.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+    assert body.messages is not None
+    messages = template_messages([m.model_dump() for m in body.messages])
+    try:
+        text = state.chat_template.render(
+            messages, add_generation_prompt=body.add_generation_prompt
+        )
+    except Exception as exc:  # a template's raise_exception or a jinja error
+        raise OpenAIError(400, f"chat template failed: {exc}", param="messages") from exc
+    return state.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    """float: the list; base64: little-endian float32 bytes, as OpenAI sends them."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()

@@ -1,0 +1,132 @@
+"""Everything a request must pass before it reaches the engine loop.
+
+Bounded body → shared request model (`servefleet.api.openai_requests`) → admission (ready,
+model name, health, queue depth) → prompt token ids within the vocabulary → context length and
+KV-cache capacity. Each failure is an `OpenAIError` naming the parameter, so the engine only
+gets work it can finish.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from servefleet.api.openai_wire import MAX_BODY_BYTES, RequestRejected, parse_request
+from servefleet.engine.protocol import OpenAIError, from_rejected
+
+if TYPE_CHECKING:
+    from servefleet.engine.server import ServingState
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused with a 413 as soon as it grows past the limit (never buffered whole)."""
+    declared = request.headers.get("content-length")
+    too_large = OpenAIError(
+        413, f"The request body is larger than {MAX_BODY_BYTES} bytes.", code="request_too_large"
+    )
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def parse(request: Request, model: type[BodyT]) -> BodyT:
+    """JSON body whatever the Content-Type says (curl -d sends a form type)."""
+    raw = await read_body(request)
+    try:
+        _, body = parse_request(model, raw)
+    except RequestRejected as exc:
+        raise from_rejected(exc) from None
+    return body
+
+
+def admit(state: ServingState, model: str | None) -> None:
+    """Ready, the right model, healthy and room in the queue; else 503/404 at once."""
+    if state.draining or not state.ready:
+        raise OpenAIError(
+            503,
+            "the engine is draining" if state.draining else "the engine is still loading",
+            type="service_unavailable",
+            headers={"Retry-After": "5"},
+        )
+    if model is not None and model != state.served_model_name:
+        raise model_not_found(model)
+    ok, reason = state.engine.is_healthy()
+    if not ok:
+        raise OpenAIError(503, reason, type="service_unavailable", headers={"Retry-After": "5"})
+    if state.engine.num_waiting >= state.max_queue_depth:
+        raise OpenAIError(
+            503,
+            f"the engine's queue is full ({state.max_queue_depth} waiting); retry later",
+            type="service_unavailable",
+            code="queue_full",
+            headers={"Retry-After": str(state.retry_after())},
+        )
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist.",
+        type="invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def prompt_ids(
+    state: ServingState, prompt: str | list[int], param: str, add_special_tokens: bool = True
+) -> list[int]:
+    """Token ids of one prompt (text is tokenized, ids range-checked); never empty."""
+    if isinstance(prompt, str):
+        ids = state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    else:
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(
+                400, f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param=param
+            )
+        ids = list(prompt)
+    if not ids:
+        raise OpenAIError(400, f"{param} is empty after tokenization", param=param)
+    return ids
+
+
+def check_lengths(
+    state: ServingState, prompt_ids: list[int], requested: int | None, param: str
+) -> int:
+    """max_tokens for the request: what was asked, or what the context leaves."""
+    prompt_len = len(prompt_ids)
+    max_tokens = requested if requested is not None else state.max_model_len - prompt_len
+    if max_tokens < 1 or prompt_len + max_tokens > state.max_model_len:
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+            f"requested {prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the {param}, "
+            f"{max(max_tokens, 0)} in the completion). Please reduce the length of the {param} "
+            "or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    blocks = -(-(prompt_len + max_tokens) // state.block_size)
+    if blocks > state.num_kv_blocks:
+        raise OpenAIError(
+            400,
+            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {blocks} KV-cache "
+            f"blocks but the cache holds only {state.num_kv_blocks} "
+            f"({state.num_kv_blocks * state.block_size} tokens); lower max_tokens",
+            param="max_tokens",
+            code="kv_cache_too_small",
+        )
+    return max_tokens

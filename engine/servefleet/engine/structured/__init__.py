@@ -1,0 +1,1 @@
+"""Constrained decoding: structured outputs (JSON, regex, choice, grammar) and tool calls."""

@@ -1,0 +1,92 @@
+"""The engine's structured-output service: request -> prompt inputs and compiled grammar.
+
+One per engine process. The routes call `prepare_chat` / `prepare_completion`, which turn
+`response_format`, `guided_*` and `tools` / `tool_choice` into what the chat template is
+given and the grammar the sequences decode under; anything that cannot be honoured is an
+OpenAI 400 naming the field. The grammar library's view of the vocabulary is built on the
+first constrained request (about a second for 49k tokens), so free-text serving pays nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from xgrammar import CompiledGrammar
+
+from servefleet.api.openai_requests import ChatCompletionRequest, SamplingRequest
+from servefleet.engine.protocol import OpenAIError
+from servefleet.engine.structured.constraint import (
+    ConstraintError,
+    ConstraintSpec,
+    requested_constraint,
+)
+from servefleet.engine.structured.grammars import GrammarCache
+from servefleet.engine.structured.tool_calls import ToolPlan, tool_constraint, tool_plan
+from servefleet.engine.structured.tool_parsers import TOOL_CALL_PARSERS, parser_for_template
+from servefleet.engine.structured.tool_prompt import template_inputs
+from servefleet.text.chat_template import ChatTemplate
+from servefleet.text.tokenizer import Tokenizer
+
+
+@dataclass
+class ChatPreparation:
+    """What a chat request becomes before it is tokenized."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None  # for the template's `tools`; None when folded in
+    tool_plan: ToolPlan | None
+    compiled_grammar: CompiledGrammar | None
+
+
+class StructuredOutputs:
+    def __init__(
+        self, tokenizer: Tokenizer, chat_template: ChatTemplate, tool_call_parser: str | None = None
+    ) -> None:
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"unknown tool-call parser {tool_call_parser!r}; one of {TOOL_CALL_PARSERS}"
+            )
+        self.tokenizer = tokenizer
+        self.template_source = chat_template.source
+        self.tool_call_parser = tool_call_parser or parser_for_template(chat_template.source)
+        self._grammars: GrammarCache | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCache:
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.tokenizer)
+            return self._grammars
+
+    def compile(self, spec: ConstraintSpec | None) -> CompiledGrammar | None:
+        if spec is None:
+            return None
+        try:
+            return self.grammars.compile(spec)
+        except ConstraintError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from exc
+
+    def prepare_completion(self, body: SamplingRequest) -> CompiledGrammar | None:
+        return self.compile(requested_constraint(body))
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> ChatPreparation:
+        try:
+            plan = tool_plan(body)
+        except ConstraintError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from exc
+        spec = requested_constraint(body)
+        forced = tool_constraint(plan) if plan is not None else None
+        if spec is not None and forced is not None:
+            raise OpenAIError(
+                400,
+                f"{spec.param} and a required or named tool_choice both constrain the "
+                "output; send one of them",
+                param="tool_choice",
+            )
+        messages, tools = template_inputs(
+            body.messages, plan.tools if plan is not None else None, self.template_source
+        )
+        return ChatPreparation(messages, tools, plan, self.compile(spec or forced))

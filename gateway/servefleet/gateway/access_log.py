@@ -1,0 +1,117 @@
+"""The opt-in access log: one `AccessLogLine` (JSON) per completion request, when it ends.
+
+`servefleet gateway --access-log FILE` appends to FILE, `-` writes to stdout (the pod's log);
+`servefleet sim --trace FILE` replays what was written. A request gets its line once it has a
+deployment (tenant and model known); one refused before that (no key, bad JSON, unknown model)
+has nothing to replay and is only counted in the metrics. A line is built from the route's
+tenant name and the request's counts and times — never from its headers or body — so no key
+can reach the log. Lines are written and flushed one at a time: a few hundred bytes per
+request, so a crash loses at most the request in progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TextIO
+
+from servefleet.api.access_log import AccessLogLine, Outcome
+from servefleet.gateway.asgi import Send, StatusRecorder
+from servefleet.gateway.call import Call
+from servefleet.gateway.errors import GatewayError
+from servefleet.gateway.pool import Lease, Shed, Spill
+from servefleet.gateway.queueing import TrafficClass
+
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client left before any answer (nginx's convention)."""
+
+
+class AccessLog:
+    """Writes lines to a text stream; `clock` must be the one `Call.started` was read from."""
+
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        owns_stream: bool = False,
+    ) -> None:
+        self._stream = stream
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._owns_stream = owns_stream
+
+    @classmethod
+    def open(cls, target: str, *, clock: Callable[[], float] = time.monotonic) -> AccessLog:
+        """`-` is stdout; anything else a file, appended to (a restart keeps the history)."""
+        if target == "-":
+            return cls(sys.stdout, clock=clock)
+        return cls(open(target, "a", encoding="utf-8"), clock=clock, owns_stream=True)
+
+    @contextlib.contextmanager
+    def request(self, call: Call, send: Send) -> Iterator[Send]:
+        """Yields the `send` to answer with; writes the call's line when the block is left."""
+        recorder = StatusRecorder(send)
+        status: int | None = None
+        try:
+            yield recorder.send
+        except GatewayError as exc:  # answered by the app, after this block
+            status = exc.status
+            raise
+        except BaseException:
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            self.write(self.line(call, recorder.status or status or CLIENT_CLOSED))
+
+    def line(self, call: Call, status: int) -> AccessLogLine:
+        now = self._clock()
+        placement = call.placement
+        used = call.used
+        return AccessLogLine(
+            ts=self._wall_clock() - (now - call.started),
+            deployment=call.route.pool.name,
+            model=call.route.pool.model,
+            tenant=call.route.tenant,
+            traffic_class="batch"
+            if call.route.traffic_class is TrafficClass.BATCH
+            else "interactive",
+            outcome=outcome(call, status),
+            prompt_tokens=used.prompt_tokens if used is not None else call.prompt_tokens,
+            completion_tokens=used.completion_tokens if used is not None else 0,
+            queue_wait_s=placement.queue_wait_s if isinstance(placement, Lease) else 0.0,
+            ttft_s=call.ttft_s,
+            duration_s=max(0.0, now - call.started),
+            status=status,
+            replica=call.replica,
+            reason=placement.reason if isinstance(placement, Spill | Shed) else None,
+        )
+
+    def write(self, line: AccessLogLine) -> None:
+        self._stream.write(line.model_dump_json(exclude_none=True) + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self._owns_stream:
+            self._stream.close()
+
+
+def outcome(call: Call, status: int) -> Outcome:
+    """What became of the request, in the simulator's terms."""
+    if status == 429:
+        return "limited"
+    if isinstance(call.placement, Shed):
+        return "shed"
+    if not call.completed:
+        return "failed"
+    return "spilled" if isinstance(call.placement, Spill) else "served"
+
+
+def recording(
+    log: AccessLog | None, call: Call, send: Send
+) -> contextlib.AbstractContextManager[Send]:
+    """`log.request(call, send)`, or `send` unchanged when there is no access log."""
+    return contextlib.nullcontext(send) if log is None else log.request(call, send)
