@@ -58,3 +58,17 @@ def test_uvicorn_logs_through_the_same_handler(capsys: pytest.CaptureFixture[str
     logging.getLogger("uvicorn.error").warning("bind failed")
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["logger"] == "uvicorn.error"
+
+
+def test_kopf_records_name_their_object_not_kopf_internals(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    setup_logging("info", "text")
+    ref = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "m-engine", "namespace": "ns"}
+    extra = {"settings": object(), "k8s_skip": True, "k8s_ref": ref}
+    logging.getLogger("kopf.objects").info("Handler 'engine_changed' succeeded.")
+    logging.getLogger("kopf.activities").error("Handler 'reconcile' failed.", extra=extra)
+    (line,) = capsys.readouterr().err.splitlines()  # successes are quiet, failures are not
+    fields = dict(part.split("=", 1) for part in shlex.split(line))
+    assert fields["object"] == "Deployment ns/m-engine"
+    assert "settings" not in fields and "k8s_skip" not in fields and "k8s_ref" not in fields

@@ -7,6 +7,7 @@ nothing changed, Events only on transitions, and apply failures surfacing as Deg
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -16,7 +17,8 @@ import pytest
 from servefleet.api import LLMDeployment
 from servefleet.kube import KubeError, ObjectList
 from servefleet.kube.resources import Resource
-from servefleet.operator.handlers import OperatorSettings, Reconciler, plain
+from servefleet.operator.handlers import engine_needs_repair, plain
+from servefleet.operator.reconciler import OperatorSettings, Reconciler
 from servefleet.operator.status import EventSpec
 
 
@@ -83,7 +85,11 @@ def dep(status: dict[str, Any] | None = None) -> LLMDeployment:
 
 def reconciler(client: RecordingClient, events: list[EventSpec]) -> Reconciler:
     settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw:8080/")
-    return Reconciler(client, settings, post_event=lambda target, event: events.append(event))  # type: ignore[arg-type]
+
+    async def record(target: dict[str, Any], event: EventSpec) -> None:
+        events.append(event)
+
+    return Reconciler(client, settings, post_event=record)  # type: ignore[arg-type]
 
 
 async def test_reconcile_applies_children_and_writes_status_once() -> None:
@@ -149,3 +155,107 @@ async def test_drift_repair_pass_visits_live_objects_only() -> None:
     client.listed = [live, deleting, invalid]
     assert await reconciler(client, []).resync_once() == 3
     assert {o["metadata"]["name"] for o, _ in client.applied} == {"m-engine", "m-gateway-route"}
+
+
+class StatusFailsFor(RecordingClient):
+    """A client whose status write fails for one object (e.g. it was deleted mid-pass)."""
+
+    def __init__(self, failing: str) -> None:
+        super().__init__()
+        self.failing = failing
+
+    async def patch_status(
+        self, resource: Resource, namespace: str, name: str, patch: dict[str, Any], manager: str
+    ) -> dict[str, Any]:
+        if name == self.failing:
+            raise KubeError(404, f"llmdeployments {name} not found")
+        return await super().patch_status(resource, namespace, name, patch, manager)
+
+
+async def test_one_failing_object_does_not_stop_the_pass() -> None:
+    client = StatusFailsFor("first")
+    first = dep().model_dump(by_alias=True, mode="json")
+    first["metadata"]["name"] = "first"
+    client.listed = [first, dep().model_dump(by_alias=True, mode="json")]
+    assert await reconciler(client, []).resync_once() == 2
+    assert {o["metadata"]["name"] for o, _ in client.applied} >= {"first-engine", "m-engine"}
+    assert len(client.status_patches) == 1  # the second object's status was still written
+
+
+async def test_the_drift_repair_loop_outlives_an_unexpected_error() -> None:
+    passes: list[int] = []
+
+    class Flaky(Reconciler):
+        async def resync_once(self) -> int:
+            passes.append(1)
+            if len(passes) == 1:
+                raise RuntimeError("not a KubeError")
+            if len(passes) == 3:
+                raise asyncio.CancelledError
+            return 0
+
+    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw", resync_seconds=0.01)
+    with pytest.raises(asyncio.CancelledError):
+        await Flaky(RecordingClient(), settings).resync_forever()  # type: ignore[arg-type]
+    assert len(passes) == 3
+
+
+async def test_repair_rereads_the_object_and_leaves_deleted_ones_alone() -> None:
+    client = RecordingClient()
+    r = reconciler(client, [])
+    await r.repair("ns", "m")  # gone: nothing is recreated
+    assert client.applied == []
+    client.objects[("LLMDeployment", "m")] = dep().model_dump(by_alias=True, mode="json")
+    await r.repair("ns", "m")
+    assert ("Service", "m-engine") in [
+        (o["kind"], o["metadata"]["name"]) for o, _ in client.applied
+    ]
+    client.applied.clear()
+    deleting = dep().model_dump(by_alias=True, mode="json")
+    deleting["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    client.objects[("LLMDeployment", "m")] = deleting
+    await r.repair("ns", "m")
+    assert client.applied == []
+
+
+@pytest.mark.parametrize(
+    ("event_type", "generation", "observed", "repair"),
+    [
+        ("DELETED", 3, 3, True),  # deleted: put it back now
+        ("MODIFIED", 4, 3, True),  # spec changed (scaled, edited) and not yet observed
+        ("MODIFIED", 3, 3, False),  # only status moved: refresh our status
+        (None, 1, None, True),  # listed before the Deployment controller saw it
+    ],
+)
+def test_engine_deployment_events_that_are_drift(
+    event_type: str | None, generation: int, observed: int | None, repair: bool
+) -> None:
+    status = {} if observed is None else {"observedGeneration": observed}
+    body = {"metadata": {"generation": generation}, "status": status}
+    assert engine_needs_repair(body, event_type) is repair
+
+
+class EventRecordingClient(RecordingClient):
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+        self.events: list[tuple[str, str, str]] = []
+
+    async def create_event(
+        self, involved: dict[str, Any], *, reason: str, message: str, component: str, type: str
+    ) -> dict[str, Any]:
+        if self.fail:
+            raise KubeError(403, "events is forbidden")
+        self.events.append((involved["metadata"]["name"], reason, component))
+        return {}
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_events_go_through_our_client_and_never_fail_a_reconcile(fail: bool) -> None:
+    """kopf's poster works only inside kopf handlers; the drift pass posts events too."""
+    client = EventRecordingClient(fail)
+    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw:8080/")
+    await Reconciler(client, settings).reconcile(dep())  # type: ignore[arg-type]
+    assert len(client.status_patches) == 1
+    expected = [] if fail else [("m", "WarmPoolNotReady", "servefleet-operator")]
+    assert client.events[:1] == expected

@@ -26,7 +26,10 @@ _RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
     "color_message",  # uvicorn's coloured duplicate of the message
     "taskName",
 }
-_NOISY_LOGGERS = ("httpx", "httpcore", "uvicorn.access", "asyncio")
+# kopf says "Handler ... succeeded" for every event at info; its warnings and errors stay.
+_NOISY_LOGGERS = ("httpx", "httpcore", "uvicorn.access", "asyncio", "kopf.objects")
+# kopf puts its whole settings object and a skip flag on every record: not fields for a reader.
+_DROPPED_EXTRAS = frozenset({"settings", "k8s_skip"})
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +64,17 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
         "msg": record.getMessage(),
     }
     for key, value in vars(record).items():
-        if key not in _RECORD_ATTRS and not key.startswith("_"):
+        if key == "k8s_ref" and isinstance(value, dict):
+            fields["object"] = _object_ref(value)
+        elif key not in _RECORD_ATTRS and key not in _DROPPED_EXTRAS and not key.startswith("_"):
             fields[key] = value
     return fields
+
+
+def _object_ref(ref: dict[str, Any]) -> str:
+    """kopf's object reference as `Kind namespace/name`, what kubectl users read."""
+    where = "/".join(str(ref[k]) for k in ("namespace", "name") if ref.get(k))
+    return f"{ref.get('kind', '')} {where}".strip()
 
 
 def _logfmt_value(value: object) -> str:

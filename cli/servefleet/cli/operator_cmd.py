@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from servefleet.kube import KubeAccess, KubeError
-    from servefleet.operator.handlers import OperatorSettings, build_registry
+    from servefleet.operator.handlers import build_registry
+    from servefleet.operator.reconciler import OperatorSettings
 
     setup_logging(args.log_level, args.log_format)
     settings = OperatorSettings(

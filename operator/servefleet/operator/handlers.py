@@ -1,254 +1,33 @@
-"""Thin kopf handlers: render the children, server-side apply them, write status.
+"""Thin kopf handlers; everything they do is a call on one `Reconciler`.
 
-Every handler funnels into `Reconciler.reconcile` or `Reconciler.refresh_status`,
-which are idempotent: the create/update/resume handlers, the drift-repair timer and
-the engine Deployment watch may all fire for the same object, in any order, and
-after a restart, and the cluster converges to the same state without duplicates.
+kopf brings the watches, retries and the create/update/resume/delete dispatch; the
+reconciler holds what we decide (children, status, drift repair), so it is tested without
+kopf. Handlers for the LLMDeployment itself, for its engine Deployment and for the
+operator's lifecycle are registered by separate functions, all bound to the same reconciler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import kopf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from servefleet.api.conventions import (
     FIELD_MANAGER_OPERATOR,
     LABEL_APP_MANAGED_BY,
     LABEL_DEPLOYMENT,
 )
-from servefleet.api.fetch_progress import FETCH_CONTAINER
-from servefleet.api.llmdeployment import (
-    API_GROUP,
-    API_VERSION,
-    FULL_API_VERSION,
-    KIND,
-    PLURAL,
-    LLMDeployment,
-)
-from servefleet.kube import KubeAccess, KubeClient, KubeError
-from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, PODS, SERVICE_MONITORS
-from servefleet.operator import render
-from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
-from servefleet.operator.status import (
-    EventSpec,
-    Observed,
-    compute_status,
-    status_patch,
-    transition_events,
-)
+from servefleet.api.llmdeployment import API_GROUP, API_VERSION, PLURAL, LLMDeployment
+from servefleet.kube import KubeAccess, KubeError
+from servefleet.operator.reconciler import OperatorSettings, Reconciler
 
 log = logging.getLogger("servefleet.operator")
-
-
-class OperatorSettings(BaseModel):
-    """How this operator instance runs (from the command line / chart values)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    namespaces: list[str] = Field(
-        default_factory=list, description="Namespaces to watch; empty = all."
-    )
-    engine_image: str = Field(description="Image for servefleet engine pods and model fetchers.")
-    gateway_url: str = Field(description="Base URL of the gateway Service, for status.endpoint.")
-    image_pull_policy: str = Field(
-        default="IfNotPresent", description="Pull policy of engine pods."
-    )
-    resync_seconds: float = Field(default=30.0, gt=0, description="Drift-repair period per object.")
-    service_monitor_check_seconds: float = Field(
-        default=300.0,
-        gt=0,
-        description="How often to re-check whether the ServiceMonitor CRD exists.",
-    )
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-class Reconciler:
-    """Holds the API client and the per-object locks; everything else is passed in."""
-
-    def __init__(
-        self, client: KubeClient, settings: OperatorSettings, post_event: EventPoster | None = None
-    ) -> None:
-        self.client = client
-        self.post_event = post_event or _post_kopf_event
-        self.settings = settings
-        self.render_settings = render.RenderSettings(
-            engine_image=settings.engine_image,
-            gateway_url=settings.gateway_url,
-            image_pull_policy=settings.image_pull_policy,
-        )
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._service_monitor: tuple[float, bool] | None = None
-
-    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
-
-    def forget(self, namespace: str, name: str) -> None:
-        self._locks.pop((namespace, name), None)
-
-    @property
-    def endpoint(self) -> str:
-        return self.settings.gateway_url.rstrip("/") + "/v1"
-
-    async def _with_service_monitor(self) -> bool:
-        now = time.monotonic()
-        if (
-            self._service_monitor is None
-            or now - self._service_monitor[0] > self.settings.service_monitor_check_seconds
-        ):
-            try:
-                exists = await self.client.has_api(
-                    SERVICE_MONITORS.api_version, SERVICE_MONITORS.plural
-                )
-            except KubeError as exc:
-                log.warning("cannot check for the ServiceMonitor API: %s", exc)
-                exists = False
-            self._service_monitor = (now, exists)
-        return self._service_monitor[1]
-
-    async def reconcile(self, dep: LLMDeployment) -> None:
-        """Apply every child, then write status. Raises kopf.TemporaryError to retry."""
-        async with self._lock(dep.namespace, dep.name):
-            error: str | None = None
-            children = render.children(
-                dep, self.render_settings, await self._with_service_monitor()
-            )
-            try:
-                await self._ensure_engine_key(dep)
-                await self._ensure_replicas(dep)
-            except KubeError as exc:
-                error = f"preparing {dep.name}: {exc.message}"
-                children = []
-            for obj in children:
-                try:
-                    await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
-                except KubeError as exc:
-                    error = f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
-                    break
-            await self._write_status(dep, error)
-        if error:
-            raise kopf.TemporaryError(error, delay=10)
-
-    async def _ensure_replicas(self, dep: LLMDeployment) -> None:
-        """Give an unset spec.replicas its value (the warm minimum) through the scale subresource.
-
-        The API server cannot read the scale of a custom resource whose replicas path is
-        absent (a 500 for an HPA or `kubectl get --subresource=scale`), while the YAML in Git
-        must leave the field out so that syncs never reset the autoscaler's count.
-        """
-        if dep.spec.replicas is None:
-            replicas = dep.spec.desired_replicas()
-            await self.client.set_scale(
-                LLM_DEPLOYMENTS, dep.namespace, dep.name, replicas, FIELD_MANAGER_OPERATOR
-            )
-
-    async def _ensure_engine_key(self, dep: LLMDeployment) -> None:
-        """Create the engine key Secret when absent; an existing one is never rewritten."""
-        secret = render.engine_key_secret_for(dep)
-        if secret is not None:
-            await self.client.create(secret, FIELD_MANAGER_OPERATOR)
-
-    async def resync_once(self) -> int:
-        """Reconcile every LLMDeployment once; returns how many were visited."""
-        items: list[dict[str, Any]] = []
-        namespaces: list[str | None] = [*self.settings.namespaces] or [None]
-        for namespace in namespaces:
-            items += (await self.client.list(LLM_DEPLOYMENTS, namespace)).items
-        for body in items:
-            meta = body.get("metadata", {})
-            if meta.get("deletionTimestamp"):
-                continue
-            try:
-                await self.reconcile(LLMDeployment.model_validate(body))
-            except ValidationError:
-                continue  # reported by the spec handlers as InvalidSpec
-            except kopf.TemporaryError as exc:
-                log.warning(
-                    "drift repair of %s/%s: %s", meta.get("namespace"), meta.get("name"), exc
-                )
-        return len(items)
-
-    async def resync_forever(self) -> None:
-        """Drift repair: re-apply every child on a period, so an edited or deleted child is
-        put back. One loop for all objects rather than a kopf timer per object, because
-        kopf timers need a finalizer, and a finalizer would make deleting an
-        LLMDeployment hang whenever the operator is down."""
-        while True:
-            await asyncio.sleep(self.settings.resync_seconds)
-            try:
-                await self.resync_once()
-            except KubeError as exc:
-                log.warning("drift repair pass failed: %s", exc)
-
-    async def refresh_status(self, namespace: str, name: str) -> None:
-        """Recompute status from the cluster (after an engine Deployment changed)."""
-        async with self._lock(namespace, name):
-            body = await self.client.get(LLM_DEPLOYMENTS, namespace, name)
-            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-                return
-            try:
-                dep = LLMDeployment.model_validate(body)
-            except ValidationError:
-                return  # the spec handlers report it
-            await self._write_status(dep, None)
-
-    async def _observe_fetches(
-        self, dep: LLMDeployment
-    ) -> tuple[list[dict[str, Any]] | None, dict[str, str]]:
-        """Engine pods and their running fetch containers' log tails, for ModelLoading
-        (only for downloaded sources; (None, {}) when they cannot be read)."""
-        if not dep.spec.model.source.downloads:
-            return None, {}
-        try:
-            pods = (await self.client.list(PODS, dep.namespace, render.selector_string(dep))).items
-            logs = {
-                name: await self.client.pod_log(
-                    dep.namespace, name, FETCH_CONTAINER, LOG_TAIL_LINES
-                )
-                for name in fetching_pods(pods)
-            }
-        except KubeError as exc:
-            log.warning("cannot read model downloads of %s/%s: %s", dep.namespace, dep.name, exc)
-            return None, {}
-        return pods, logs
-
-    async def _write_status(self, dep: LLMDeployment, error: str | None) -> None:
-        deployment = await self.client.get(DEPLOYMENTS, dep.namespace, render.engine_name(dep))
-        pods, logs = await self._observe_fetches(dep)
-        observed = Observed(deployment, error, pods=pods, fetch_logs=logs)
-        new = compute_status(dep, observed, self.endpoint, _now())
-        if status_patch(new) == status_patch(dep.status):
-            return
-        await self.client.patch_status(
-            LLM_DEPLOYMENTS, dep.namespace, dep.name, status_patch(new), FIELD_MANAGER_OPERATOR
-        )
-        for event in transition_events(dep.status, new):
-            self.post_event(_event_target(dep), event)
-
-
-EventPoster = Callable[[dict[str, Any], EventSpec], None]
-
-
-def _post_kopf_event(target: dict[str, Any], event: EventSpec) -> None:
-    """Through kopf's poster: batched, and it knows the involved object reference format."""
-    kopf.event(cast(kopf.Body, target), type=event.type, reason=event.reason, message=event.message)
-
-
-def _event_target(dep: LLMDeployment) -> dict[str, Any]:
-    return {
-        "apiVersion": FULL_API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": dep.name, "namespace": dep.namespace, "uid": dep.metadata.uid},
-    }
+RESOURCE = (API_GROUP, API_VERSION, PLURAL)
+GetReconciler = Callable[[], Awaitable[Reconciler]]
 
 
 def plain(value: Any) -> Any:
@@ -281,41 +60,62 @@ def build_registry(settings: OperatorSettings, access: KubeAccess) -> kopf.Opera
     token) reaches both.
     """
     registry = kopf.OperatorRegistry()
-    reconciler_box: dict[str, Reconciler] = {}
-    tasks: dict[str, asyncio.Task[None]] = {}
-    resource = (API_GROUP, API_VERSION, PLURAL)
-    connecting = asyncio.Lock()
+    shared = SharedReconciler(settings, access)
+    _register_lifecycle(registry, shared)
+    _register_deployment_handlers(registry, shared.get)
+    _register_engine_watch(registry, shared.get)
+    return registry
 
-    async def reconciler() -> Reconciler:
-        async with connecting:
-            if "r" not in reconciler_box:
-                reconciler_box["r"] = Reconciler(await access.connect(), settings)
-        return reconciler_box["r"]
+
+class SharedReconciler:
+    """The one Reconciler of a registry, connected on first use (inside kopf's loop)."""
+
+    def __init__(self, settings: OperatorSettings, access: KubeAccess) -> None:
+        self.settings = settings
+        self.access = access
+        self.current: Reconciler | None = None
+        self._connecting = asyncio.Lock()
+
+    async def get(self) -> Reconciler:
+        async with self._connecting:
+            if self.current is None:
+                self.current = Reconciler(await self.access.connect(), self.settings)
+        return self.current
+
+
+def configure_kopf(settings: kopf.OperatorSettings) -> None:
+    """kopf's settings for this operator."""
+    # Progress and diff-base go in annotations under our prefix: the status schema
+    # is structural and would prune kopf's own status fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    # kopf would watch CRDs cluster-wide to notice new resources; we know ours,
+    # and least-privilege RBAC should not need to read every CRD in the cluster.
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+
+
+def _register_lifecycle(registry: kopf.OperatorRegistry, shared: SharedReconciler) -> None:
+    """Startup (settings, the drift-repair loop), login, cleanup."""
+    tasks: dict[str, asyncio.Task[None]] = {}
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        # Progress and diff-base go in annotations under our prefix: the status schema
-        # is structural and would prune kopf's own status fields.
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=API_GROUP, key="last-handled-configuration"
-        )
-        settings.posting.level = logging.WARNING
-        # kopf would watch CRDs cluster-wide to notice new resources; we know ours,
-        # and least-privilege RBAC should not need to read every CRD in the cluster.
-        settings.scanning.disabled = True
-        settings.watching.server_timeout = 300
-        settings.watching.client_timeout = 330
-        settings.networking.request_timeout = 60
+        configure_kopf(settings)
 
     @kopf.on.startup(registry=registry)
     async def start_drift_repair(**_: Any) -> None:
-        repair = (await reconciler()).resync_forever()
+        repair = (await shared.get()).resync_forever()
         tasks["resync"] = asyncio.create_task(repair, name="drift-repair")
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:
-        creds = await (await reconciler()).client.credentials()
+        creds = await (await shared.get()).client.credentials()
         return kopf.ConnectionInfo(
             server=creds.server,
             token=creds.token.get_secret_value() if creds.token else None,
@@ -331,33 +131,59 @@ def build_registry(settings: OperatorSettings, access: KubeAccess) -> kopf.Opera
     async def close(**_: Any) -> None:
         if task := tasks.pop("resync", None):
             task.cancel()
-        if "r" in reconciler_box:
-            await reconciler_box["r"].client.aclose()
+        if shared.current is not None:
+            await shared.current.client.aclose()
 
-    @kopf.on.resume(*resource, registry=registry)
-    @kopf.on.create(*resource, registry=registry)
-    @kopf.on.update(*resource, field="spec", registry=registry)
+
+def _register_deployment_handlers(
+    registry: kopf.OperatorRegistry, reconciler: GetReconciler
+) -> None:
+    """The LLMDeployment itself: created, changed, resumed after a restart, deleted."""
+
+    @kopf.on.resume(*RESOURCE, registry=registry)
+    @kopf.on.create(*RESOURCE, registry=registry)
+    @kopf.on.update(*RESOURCE, field="spec", registry=registry)
     async def reconcile_spec(body: kopf.Body, **_: Any) -> None:
         await (await reconciler()).reconcile(parse_body(body))
 
-    @kopf.on.delete(*resource, registry=registry, optional=True)
+    @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
     async def forget(name: str, namespace: str | None, **_: Any) -> None:
         (await reconciler()).forget(namespace or "", name)
+
+
+def engine_needs_repair(body: Mapping[str, Any], event_type: str | None) -> bool:
+    """Whether an engine Deployment event is drift to undo now rather than at the next pass:
+    the Deployment was deleted, or its spec changed and the Deployment controller has not
+    seen it yet (someone scaled or edited it; after our own apply the repair is a no-op)."""
+    if event_type == "DELETED":
+        return True
+    generation = body.get("metadata", {}).get("generation")
+    observed = body.get("status", {}).get("observedGeneration")
+    return generation is not None and generation != observed
+
+
+def _register_engine_watch(registry: kopf.OperatorRegistry, reconciler: GetReconciler) -> None:
+    """The engine Deployments we own: readiness goes to status, drift is undone at once."""
 
     @kopf.on.event(
         "apps",
         "v1",
         "deployments",
-        labels={
-            LABEL_DEPLOYMENT: kopf.PRESENT,
-            LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR,
-        },
+        labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR},
         registry=registry,
     )
     async def engine_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
-        """Readiness moves on the engine Deployment: reflect it in the parent's status now."""
         owner = body.get("metadata", {}).get("labels", {}).get(LABEL_DEPLOYMENT)
-        if owner and type != "DELETED":
-            await (await reconciler()).refresh_status(body["metadata"]["namespace"], owner)
-
-    return registry
+        if not owner:
+            return
+        namespace = body["metadata"]["namespace"]
+        r = await reconciler()
+        try:
+            if engine_needs_repair(body, type):
+                await r.repair(namespace, owner)
+            else:
+                await r.refresh_status(namespace, owner)
+        except (kopf.TemporaryError, KubeError) as exc:
+            log.warning(
+                "repair of %s/%s: %s (the drift-repair pass retries)", namespace, owner, exc
+            )

@@ -1,0 +1,270 @@
+"""The reconciler: render the children, server-side apply them, write status.
+
+`reconcile`, `repair` and `refresh_status` are idempotent: the create/update/resume handlers,
+the drift-repair pass and the child watches may all fire for the same object, in any order
+and after a restart, and the cluster converges to the same state without duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from servefleet.api.conventions import FIELD_MANAGER_OPERATOR
+from servefleet.api.fetch_progress import FETCH_CONTAINER
+from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
+from servefleet.kube import KubeClient, KubeError
+from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, PODS, SERVICE_MONITORS
+from servefleet.operator import render
+from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
+from servefleet.operator.status import (
+    EventSpec,
+    Observed,
+    compute_status,
+    status_patch,
+    transition_events,
+)
+
+log = logging.getLogger("servefleet.operator")
+
+
+class OperatorSettings(BaseModel):
+    """How this operator instance runs (from the command line / chart values)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to watch; empty = all."
+    )
+    engine_image: str = Field(description="Image for servefleet engine pods and model fetchers.")
+    gateway_url: str = Field(description="Base URL of the gateway Service, for status.endpoint.")
+    image_pull_policy: str = Field(
+        default="IfNotPresent", description="Pull policy of engine pods."
+    )
+    resync_seconds: float = Field(default=30.0, gt=0, description="Drift-repair period per object.")
+    service_monitor_check_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="How often to re-check whether the ServiceMonitor CRD exists.",
+    )
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    """Holds the API client and the per-object locks; everything else is passed in."""
+
+    def __init__(
+        self, client: KubeClient, settings: OperatorSettings, post_event: EventPoster | None = None
+    ) -> None:
+        self.client = client
+        self.post_event = post_event or self._post_event
+        self.settings = settings
+        self.render_settings = render.RenderSettings(
+            engine_image=settings.engine_image,
+            gateway_url=settings.gateway_url,
+            image_pull_policy=settings.image_pull_policy,
+        )
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._service_monitor: tuple[float, bool] | None = None
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._locks.pop((namespace, name), None)
+
+    @property
+    def endpoint(self) -> str:
+        return self.settings.gateway_url.rstrip("/") + "/v1"
+
+    async def _with_service_monitor(self) -> bool:
+        now = time.monotonic()
+        if (
+            self._service_monitor is None
+            or now - self._service_monitor[0] > self.settings.service_monitor_check_seconds
+        ):
+            try:
+                exists = await self.client.has_api(
+                    SERVICE_MONITORS.api_version, SERVICE_MONITORS.plural
+                )
+            except KubeError as exc:
+                log.warning("cannot check for the ServiceMonitor API: %s", exc)
+                exists = False
+            self._service_monitor = (now, exists)
+        return self._service_monitor[1]
+
+    async def reconcile(self, dep: LLMDeployment) -> None:
+        """Apply every child, then write status. Raises kopf.TemporaryError to retry."""
+        async with self._lock(dep.namespace, dep.name):
+            error: str | None = None
+            children = render.children(
+                dep, self.render_settings, await self._with_service_monitor()
+            )
+            try:
+                await self._ensure_engine_key(dep)
+                await self._ensure_replicas(dep)
+            except KubeError as exc:
+                error = f"preparing {dep.name}: {exc.message}"
+                children = []
+            for obj in children:
+                try:
+                    await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
+                except KubeError as exc:
+                    error = f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
+                    break
+            await self._write_status(dep, error)
+        if error:
+            raise kopf.TemporaryError(error, delay=10)
+
+    async def _ensure_replicas(self, dep: LLMDeployment) -> None:
+        """Give an unset spec.replicas its value (the warm minimum) through the scale subresource.
+
+        The API server cannot read the scale of a custom resource whose replicas path is
+        absent (a 500 for an HPA or `kubectl get --subresource=scale`), while the YAML in Git
+        must leave the field out so that syncs never reset the autoscaler's count.
+        """
+        if dep.spec.replicas is None:
+            replicas = dep.spec.desired_replicas()
+            await self.client.set_scale(
+                LLM_DEPLOYMENTS, dep.namespace, dep.name, replicas, FIELD_MANAGER_OPERATOR
+            )
+
+    async def _ensure_engine_key(self, dep: LLMDeployment) -> None:
+        """Create the engine key Secret when absent; an existing one is never rewritten."""
+        secret = render.engine_key_secret_for(dep)
+        if secret is not None:
+            await self.client.create(secret, FIELD_MANAGER_OPERATOR)
+
+    async def resync_once(self) -> int:
+        """Reconcile every LLMDeployment once; returns how many were visited.
+
+        One object's failure is logged and the pass goes on, so a broken object never keeps
+        drift in the others from being repaired."""
+        items: list[dict[str, Any]] = []
+        namespaces: list[str | None] = [*self.settings.namespaces] or [None]
+        for namespace in namespaces:
+            items += (await self.client.list(LLM_DEPLOYMENTS, namespace)).items
+        for body in items:
+            meta = body.get("metadata", {})
+            if meta.get("deletionTimestamp"):
+                continue
+            try:
+                await self.reconcile(LLMDeployment.model_validate(body))
+            except ValidationError:
+                continue  # reported by the spec handlers as InvalidSpec
+            except (kopf.TemporaryError, KubeError) as exc:
+                log.warning(
+                    "drift repair of %s/%s: %s", meta.get("namespace"), meta.get("name"), exc
+                )
+        return len(items)
+
+    async def resync_forever(self) -> None:
+        """Drift repair: re-apply every child on a period, so an edited or deleted child is
+        put back. One loop for all objects rather than a kopf timer per object, because
+        kopf timers need a finalizer, and a finalizer would make deleting an
+        LLMDeployment hang whenever the operator is down. The loop outlives any failure:
+        a task that died here would stop drift repair for good, and silently."""
+        while True:
+            await asyncio.sleep(self.settings.resync_seconds)
+            started = time.monotonic()
+            try:
+                visited = await self.resync_once()
+            except KubeError as exc:
+                log.warning("drift repair pass failed: %s", exc)
+            except Exception:
+                log.exception("drift repair pass failed")
+            else:
+                log.debug(
+                    "drift repair pass",
+                    extra={"objects": visited, "seconds": round(time.monotonic() - started, 3)},
+                )
+
+    async def _read_live(self, namespace: str, name: str) -> LLMDeployment | None:
+        """The object as it is now; None when it is gone, being deleted, or invalid (the
+        spec handlers report that one), so a child's event never undoes garbage collection."""
+        body = await self.client.get(LLM_DEPLOYMENTS, namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None
+        try:
+            return LLMDeployment.model_validate(body)
+        except ValidationError:
+            return None
+
+    async def repair(self, namespace: str, name: str) -> None:
+        """Reconcile one LLMDeployment now (a child of it was changed or deleted)."""
+        if dep := await self._read_live(namespace, name):
+            await self.reconcile(dep)
+
+    async def refresh_status(self, namespace: str, name: str) -> None:
+        """Recompute status from the cluster (after an engine Deployment changed)."""
+        async with self._lock(namespace, name):
+            if dep := await self._read_live(namespace, name):
+                await self._write_status(dep, None)
+
+    async def _observe_fetches(
+        self, dep: LLMDeployment
+    ) -> tuple[list[dict[str, Any]] | None, dict[str, str]]:
+        """Engine pods and their running fetch containers' log tails, for ModelLoading
+        (only for downloaded sources; (None, {}) when they cannot be read)."""
+        if not dep.spec.model.source.downloads:
+            return None, {}
+        try:
+            pods = (await self.client.list(PODS, dep.namespace, render.selector_string(dep))).items
+            logs = {
+                name: await self.client.pod_log(
+                    dep.namespace, name, FETCH_CONTAINER, LOG_TAIL_LINES
+                )
+                for name in fetching_pods(pods)
+            }
+        except KubeError as exc:
+            log.warning("cannot read model downloads of %s/%s: %s", dep.namespace, dep.name, exc)
+            return None, {}
+        return pods, logs
+
+    async def _write_status(self, dep: LLMDeployment, error: str | None) -> None:
+        deployment = await self.client.get(DEPLOYMENTS, dep.namespace, render.engine_name(dep))
+        pods, logs = await self._observe_fetches(dep)
+        observed = Observed(deployment, error, pods=pods, fetch_logs=logs)
+        new = compute_status(dep, observed, self.endpoint, _now())
+        if status_patch(new) == status_patch(dep.status):
+            return
+        await self.client.patch_status(
+            LLM_DEPLOYMENTS, dep.namespace, dep.name, status_patch(new), FIELD_MANAGER_OPERATOR
+        )
+        for event in transition_events(dep.status, new):
+            await self.post_event(_event_target(dep), event)
+
+    async def _post_event(self, target: dict[str, Any], event: EventSpec) -> None:
+        """Through our own client, not kopf's poster: kopf's works only inside its handlers,
+        and the drift-repair pass is not one. An Event is best effort; its failure is logged."""
+        try:
+            await self.client.create_event(
+                target,
+                reason=event.reason,
+                message=event.message,
+                component=FIELD_MANAGER_OPERATOR,
+                type=event.type,
+            )
+        except KubeError as exc:
+            log.warning("cannot post event %s: %s", event.reason, exc)
+
+
+EventPoster = Callable[[dict[str, Any], EventSpec], Awaitable[None]]
+
+
+def _event_target(dep: LLMDeployment) -> dict[str, Any]:
+    return {
+        "apiVersion": FULL_API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": dep.name, "namespace": dep.namespace, "uid": dep.metadata.uid},
+    }
