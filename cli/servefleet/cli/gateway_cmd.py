@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servefleet.api.gateway_config import GatewayConfig
+    from servefleet.api.http_protocol import BoundedHeadProtocol
     from servefleet.gateway.access_log import AccessLog
     from servefleet.gateway.app import Gateway
     from servefleet.gateway.kube_routes import KubeRoutedGateway, KubeRoutes
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             log_config=None,  # the root handler of servefleet.cli.logs
             log_level=args.log_level,
             access_log=False,
-            http="httptools",
+            http=BoundedHeadProtocol,  # slow or huge request heads are cut
             loop="uvloop",
             lifespan="on",
             timeout_keep_alive=75,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from servefleet.api.http_protocol import BoundedHeadProtocol
 from servefleet.engine.config import EngineConfig
 from servefleet.engine.startup_gate import StartupGate
 
@@ -102,6 +103,7 @@ def start_http_server(config: EngineConfig, listener: socket.socket) -> EngineHt
         access_log=False,
         timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
         lifespan="off",
+        http=BoundedHeadProtocol,  # slow or huge request heads are cut
     )
     server = DrainingServer(uv_config, config.drain_timeout)
 

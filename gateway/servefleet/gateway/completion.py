@@ -30,6 +30,7 @@ from servefleet.gateway.limit_headers import ratelimit_headers, retry_headers
 from servefleet.gateway.limits import Limiter, RequestTooLarge, Reservation
 from servefleet.gateway.metrics import GatewayMetrics
 from servefleet.gateway.pool import Lease, PoolRequest, Shed, Spill
+from servefleet.gateway.retry_promises import retry_key
 from servefleet.gateway.route_table import RouteTable
 
 
@@ -120,7 +121,12 @@ class CompletionHandler:
         route = call.route
         pool = route.pool
         request = PoolRequest(
-            route.tenant, route.traffic_class, route.weight, call.tokens, call.affinity_key
+            route.tenant,
+            route.traffic_class,
+            route.weight,
+            call.tokens,
+            call.affinity_key,
+            retry_key(route.tenant, call.raw),
         )
         try:  # a client that leaves while queued gives its place back
             placed = await unless_client_leaves(pool.acquire(request), receive)

@@ -21,6 +21,7 @@ from servefleet.api.gateway_stats import DeploymentStats, GatewayReplicaStats, R
 from servefleet.gateway.admission import Action, AdmissionOutcome, PoolView, SpillRule, decide
 from servefleet.gateway.measurements import Ewma, LatencyWindow, RateWindow
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
+from servefleet.gateway.retry_promises import RetryPromises
 from servefleet.gateway.routing import Replica, ReplicaSet
 from servefleet.gateway.spill_budget import LocalSpillBudget, SpillBudget
 
@@ -37,6 +38,7 @@ class PoolRequest:
     weight: float
     tokens: int  # prompt + the completion budget: its cost in the queue and on a replica
     affinity_key: int | None
+    retry_key: bytes | None = None  # tenant + body: known again when it comes back (retry_promises)
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +106,7 @@ class DeploymentPool:
         self.token_counter: PromptTokenCounter | None = None  # set once loaded (optional)
         self.queue_waits = LatencyWindow()
         self.ttfts = LatencyWindow()
+        self.promises = RetryPromises()
         spill = config.spillover
         # Replaced by a Redis-shared budget when the gateway has Redis (see spill_budget).
         self.spill_budget: SpillBudget | None = (
@@ -119,6 +122,7 @@ class DeploymentPool:
             self.set_replicas(list(old.replicas.replicas), ready)
         self.service_time = old.service_time
         self.cold_start = old.cold_start
+        self.promises = old.promises
         if self.config.tokenizer == old.config.tokenizer:
             self.token_counter = old.token_counter
 
@@ -187,10 +191,12 @@ class DeploymentPool:
 
     # -- the entry point ------------------------------------------------------------------
     async def acquire(self, request: PoolRequest) -> Lease | Spill | Shed:
-        """Serve, queue, spill or shed: decided once here, waited for here."""
-        outcome = self._admit(request)
+        """Serve, queue, spill or shed: decided once here, waited for here. A request back at
+        the time its Retry-After gave it is let into the queue even when it is full."""
+        promised = bool(self.promises) and self.promises.redeem(request.retry_key, self._clock())
+        outcome = self._admit(request, promised)
         if outcome.action is Action.SHED:
-            return Shed(outcome.predicted_wait_s, outcome.reason)
+            return self._refuse(request, outcome.predicted_wait_s, outcome.reason)
         if outcome.action is Action.SERVE:
             lease = self._dispatch_now(request)
             if lease is not None:
@@ -204,9 +210,17 @@ class DeploymentPool:
                 self._spilled_tokens.add(now, request.tokens)
                 return Spill(outcome.reason)
             if outcome.predicted_wait_s > self.config.admission.max_queue_wait:
-                return Shed(outcome.predicted_wait_s, "spill-over rate cap reached")
+                return self._refuse(
+                    request, outcome.predicted_wait_s, "spill-over rate cap reached"
+                )
         # Queued, a free slot taken by someone else meanwhile, or spill-over capped.
-        return await self._wait_for_slot(request)
+        return await self._wait_for_slot(request, promised)
+
+    def _refuse(self, request: PoolRequest, wait_s: float, reason: str) -> Shed:
+        """A Shed whose Retry-After is a promise: its own return time (see retry_promises)."""
+        now = self._clock()
+        rate, _ = self.service_rate(now)
+        return Shed(self.promises.promise(request.retry_key, now, wait_s, rate), reason)
 
     def _spill_allowed(self, tenant: str) -> bool:
         if self.config.spillover is None or self.spill_budget is None:
@@ -215,18 +229,23 @@ class DeploymentPool:
             return False
         return self.spill_budget.available()
 
-    def _admit(self, request: PoolRequest) -> AdmissionOutcome:
+    def _admit(self, request: PoolRequest, promised: bool) -> AdmissionOutcome:
+        """A promised retry finds room; a fresh request counts the promises falling due as
+        queued ahead of it, so it does not take the room kept for them."""
         now = self._clock()
         queue = self.queue
         tenant, cls = request.tenant, request.traffic_class
-        full = queue.full and queue.make_room(tenant, cls) is None
+        held = 0 if promised or not self.promises else self.promises.falling_due(now, 1.0)
+        full = not promised and (
+            (queue.full and queue.make_room(tenant, cls) is None)
+            or (held > 0 and len(queue) + held >= queue.max_depth)
+        )
         rate, per_replica = self.service_rate(now)
+        ahead = queue.ahead_of(tenant, cls, request.tokens, request.weight) if len(queue) else 0
         view = PoolView(
             ready_replicas=self.replicas.ready_count(now),
-            free_slots=self.replicas.free_slots(now),
-            queue_ahead=queue.ahead_of(tenant, cls, request.tokens, request.weight)
-            if len(queue)
-            else 0,
+            free_slots=self.replicas.free_slots(now) - held,
+            queue_ahead=ahead + held,
             queue_full=full,
             service_rate=rate,
             per_replica_rate=per_replica,
@@ -259,19 +278,19 @@ class DeploymentPool:
         queue = self.queue
         victim = queue.make_room(request.tenant, request.traffic_class)
         if victim is None:
-            return Shed(self._retry_after(now), "queue full")
+            return self._refuse(request, self._retry_after(now), "queue full")
         queue.cancel(victim)
         if victim.future is not None and not victim.future.done():
             shed = Shed(self._retry_after(now), "pushed out by a higher-priority request")
             victim.future.set_exception(_ShedWhileQueued(shed))
         return None
 
-    async def _wait_for_slot(self, request: PoolRequest) -> Lease | Shed:
+    async def _wait_for_slot(self, request: PoolRequest, promised: bool = False) -> Lease | Shed:
         """Queue the request until `pump` hands it a replica, or shed it past maxQueueWait."""
         loop = asyncio.get_running_loop()
         now = self._clock()
         queue = self.queue
-        if queue.full and (refused := self._make_room(request, now)) is not None:
+        if not promised and queue.full and (refused := self._make_room(request, now)):
             return refused
         future: asyncio.Future[Lease] = loop.create_future()
         entry = queue.push(
@@ -282,6 +301,7 @@ class DeploymentPool:
             weight=request.weight,
             future=future,
             payload=(request.affinity_key, request.tokens),
+            promised=promised,
         )
         self.pump()
         try:
@@ -294,7 +314,9 @@ class DeploymentPool:
             if not _holds_lease(future):
                 queue.cancel(entry)
                 future.cancel()
-                return Shed(self._retry_after(self._clock()), "waited past maxQueueWait")
+                return self._refuse(
+                    request, self._retry_after(self._clock()), "waited past maxQueueWait"
+                )
             lease = future.result()  # dispatched at the very moment the wait ran out
         except asyncio.CancelledError:
             # The client went away while queued: give the slot back if one was handed over.

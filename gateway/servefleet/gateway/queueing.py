@@ -117,9 +117,11 @@ class FairQueue:
         weight: float = 1.0,
         future: asyncio.Future[Any] | None = None,
         payload: Any = None,
+        promised: bool = False,
     ) -> QueuedRequest:
-        """Queue a request; raises QueueFull when there is no room (see `make_room`)."""
-        if self.full:
+        """Queue a request; raises QueueFull when there is no room (see `make_room`), unless it
+        was promised a place (a retry back at its Retry-After: see retry_promises)."""
+        if self.full and not promised:
             raise QueueFull()
         lane = self._lanes[traffic_class]
         start, finish = self._tags(lane, tenant, max(cost, 1e-9), max(weight, 1e-9))
