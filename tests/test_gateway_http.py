@@ -348,3 +348,21 @@ def test_every_lease_is_given_back_after_a_burst_that_queues(rig: Rig) -> None:
     assert stats.queue_depth == 0 and stats.in_flight == 0
     assert [r.outstanding for r in stats.replicas] == [0]
     assert stats.queue_wait_p90_seconds is not None and stats.queue_wait_p90_seconds > 0
+
+
+def test_a_client_leaving_a_stream_is_client_closed_not_an_upstream_error(rig: Rig) -> None:
+    """The SLO alerts count upstream errors: a client that goes away must not burn the budget."""
+    fake = rig.fakes[0]
+    fake.behaviour.completion_tokens, fake.behaviour.token_delay_s = 200, 0.02
+    body = {**CHAT, "stream": True}
+    with httpx.stream("POST", rig.base + "/v1/chat/completions", headers=auth("a"), json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one event received, then the client leaves
+    deadline = time.monotonic() + 10
+    metrics = ""
+    while 'outcome="client_closed",tenant="a"} 1.0' not in metrics:
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+        metrics = httpx.get(rig.internal + "/metrics").text
+    assert 'outcome="upstream_error",tenant="a"} 0.0' in metrics

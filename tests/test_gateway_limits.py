@@ -288,3 +288,58 @@ def test_two_gateways_sharing_redis_spill_no_more_than_the_cap_over_http(redis_p
             ]
     assert codes.count(200) == 2 and codes.count(503) == 4  # 2 per minute for the fleet
     assert len(hosted.stats.requests) == 2
+
+
+async def test_a_live_gateway_keeps_its_concurrency_slots_past_the_lease_ttl(
+    redis_port: int,
+) -> None:
+    limiter = RedisLimiter(f"redis://127.0.0.1:{redis_port}/0", lease_ttl_s=0.6)
+    scopes = _scope(max_concurrent=1)
+    try:
+        held = await limiter.reserve(scopes, 1)
+        assert held.admitted
+        for _ in range(4):  # four renewals over twice the TTL
+            await asyncio.sleep(0.3)
+            assert await limiter.renew_leases() == 1
+        assert (await limiter.reserve(scopes, 1)).exceeded == "max_concurrent"
+        assert held.reservation is not None
+        await limiter.settle(held.reservation, 1)
+        assert await limiter.renew_leases() == 0  # settled: nothing left to renew
+        assert (await limiter.reserve(scopes, 1)).admitted
+    finally:
+        await limiter.close()
+
+
+async def test_a_dead_gateways_slots_come_back_after_the_lease_ttl(redis_port: int) -> None:
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    scopes = _scope(max_concurrent=2)
+    dead, alive = RedisLimiter(url, lease_ttl_s=0.5), RedisLimiter(url, lease_ttl_s=0.5)
+    try:
+        assert (await dead.reserve(scopes, 1)).admitted  # then it dies: no settle, no renewal
+        await dead.close()
+        assert (await alive.reserve(scopes, 1)).admitted
+        assert (await alive.reserve(scopes, 1)).exceeded == "max_concurrent"
+        for _ in range(3):
+            await asyncio.sleep(0.3)
+            await alive.renew_leases()
+        # The dead one's slot expired; the live one's was renewed and still counts.
+        assert (await alive.reserve(scopes, 1)).admitted
+        assert (await alive.reserve(scopes, 1)).exceeded == "max_concurrent"
+    finally:
+        await alive.close()
+
+
+async def test_renewal_failures_degrade_the_limits_and_never_stop_the_loop() -> None:
+    port = free_port()  # nothing listens: every renewal fails
+    errors: list[str] = []
+    primary = RedisLimiter(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, lease_ttl_s=0.3)
+    limiter = FailoverLimiter(primary, LocalLimiter(), on_error=errors.append)
+    primary._leases["r"] = ["k"]  # one lease held, as after a reserve
+    task = asyncio.create_task(limiter.keep_leases())
+    try:
+        while len(errors) < 2:  # two failed rounds: the loop went on after the first
+            await asyncio.sleep(0.05)
+        assert limiter.degraded and not task.done()
+    finally:
+        task.cancel()
+        await primary.close()

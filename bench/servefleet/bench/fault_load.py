@@ -210,3 +210,13 @@ async def closed_loop(
 
         await asyncio.gather(*(one_client() for _ in range(clients)))
     return result
+
+
+async def burst(url: str, tenant: str, count: int, spec: RequestSpec) -> LoadResult:
+    """`count` requests sent at the same moment, each once (no retries)."""
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(spec.deadline_s), limits=limits) as client:
+        records = await asyncio.gather(
+            *(send(client, url, tenant, spec, number) for number in range(count))
+        )
+    return LoadResult(records=list(records))

@@ -16,7 +16,7 @@ from servefleet.bench.fault_common import (
     poll,
     settle,
 )
-from servefleet.bench.fault_load import LoadResult, Outcome, RequestSpec, closed_loop
+from servefleet.bench.fault_load import LoadResult, Outcome, RequestSpec, burst, closed_loop
 from servefleet.bench.fault_stack import (
     CAPPED_TENANT,
     TENANTS,
@@ -120,7 +120,7 @@ def _full_concurrency_admitted(stack: Stack, gateway: Part) -> bool:
     """Whether the tenant's whole `max_concurrent_requests` is admitted at once right now."""
     limit = stack.shape.max_concurrent_requests
     spec = RequestSpec(max_tokens=24)
-    load = asyncio.run(closed_loop(gateway.url, CAPPED_TENANT, limit, 0.01, spec))
+    load = asyncio.run(burst(gateway.url, CAPPED_TENANT, limit, spec))
     return load.counts()[Outcome.OK.value] == limit
 
 

@@ -80,6 +80,7 @@ class Gateway:
         self._prober = ReplicaProber(clock)
         self._pool_tasks = PoolTasks(kubernetes)
         self._probe_task: asyncio.Task[None] | None = None
+        self._lease_task: asyncio.Task[None] | None = None  # renews Redis concurrency leases
         self._ready = False
 
     # -- what the current table says -------------------------------------------------------
@@ -103,6 +104,10 @@ class Gateway:
         self._probe_task = asyncio.create_task(
             self._prober.run(pools, interval), name="gateway-probes"
         )
+        if isinstance(self.limiter, FailoverLimiter):
+            self._lease_task = asyncio.create_task(
+                self.limiter.keep_leases(), name="gateway-leases"
+            )
         for pool in self.pools.values():
             self._pool_tasks.start(pool)
         self._ready = True
@@ -114,6 +119,11 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probe_task
             self._probe_task = None
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._lease_task
+            self._lease_task = None
         await self._pool_tasks.stop()
         await self._prober.close()
         self._upstream.close()

@@ -8,6 +8,7 @@ share (1/N) of every limit locally, returning to Redis by itself after a back-of
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -15,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from servefleet.gateway.limits import (
-    DEFAULT_LEASE_TTL_S,
     LIMIT_NAMES,
     SECONDS_PER_DAY,
     LimitDecision,
@@ -26,122 +26,9 @@ from servefleet.gateway.limits import (
     Reservation,
     check_request_size,
 )
+from servefleet.gateway.limits_lua import REDIS_LEASE_TTL_S, RENEW_LUA, RESERVE_LUA, SETTLE_LUA
 
 log = logging.getLogger("servefleet.gateway.limits")
-
-# KEYS: 4 per scope (requests bucket, tokens bucket, live set, day counter).
-# ARGV: tokens, reservation id, lease ttl ms, then 4 per scope (rpm, tpm, concurrency, daily;
-# 0 = unlimited). The clock is Redis' own TIME, so every gateway replica agrees on it.
-RESERVE_LUA = """
-local tokens = tonumber(ARGV[1])
-local rid = ARGV[2]
-local ttl_ms = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local nscopes = #KEYS / 4
-local levels = {}
-local exceeded = 0
-local wait = 0
-local function level_of(key, cap)
-  local v = redis.call('HMGET', key, 'l', 's')
-  if not v[1] then return cap end
-  local l = tonumber(v[1]) + (now - tonumber(v[2])) * cap / 60
-  if l > cap then l = cap end
-  return l
-end
-local function note(code, w)
-  if exceeded == 0 or w > wait then
-    if w > wait then wait = w end
-    exceeded = code
-  end
-end
-for i = 0, nscopes - 1 do
-  local rpm = tonumber(ARGV[4 + i * 4])
-  local tpm = tonumber(ARGV[5 + i * 4])
-  local conc = tonumber(ARGV[6 + i * 4])
-  local daily = tonumber(ARGV[7 + i * 4])
-  local rl, tl = -1, -1
-  if rpm > 0 then
-    rl = level_of(KEYS[1 + i * 4], rpm)
-    if rl < 1 then note(1, (1 - rl) * 60 / rpm) end
-  end
-  if tpm > 0 then
-    tl = level_of(KEYS[2 + i * 4], tpm)
-    if tl < tokens then note(2, (tokens - tl) * 60 / tpm) end
-  end
-  if conc > 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[3 + i * 4], '-inf', now * 1000)
-    if redis.call('ZCARD', KEYS[3 + i * 4]) >= conc then note(3, 1) end
-  end
-  if daily > 0 then
-    local used = tonumber(redis.call('GET', KEYS[4 + i * 4]) or '0')
-    if used + tokens > daily then note(4, 86400 - (now % 86400)) end
-  end
-  levels[i + 1] = {rl, tl}
-end
-if exceeded == 0 then
-  for i = 0, nscopes - 1 do
-    local rpm = tonumber(ARGV[4 + i * 4])
-    local tpm = tonumber(ARGV[5 + i * 4])
-    local conc = tonumber(ARGV[6 + i * 4])
-    local daily = tonumber(ARGV[7 + i * 4])
-    if rpm > 0 then
-      levels[i + 1][1] = levels[i + 1][1] - 1
-      redis.call('HSET', KEYS[1 + i * 4], 'l', levels[i + 1][1], 's', now)
-      redis.call('EXPIRE', KEYS[1 + i * 4], 120)
-    end
-    if tpm > 0 then
-      levels[i + 1][2] = levels[i + 1][2] - tokens
-      redis.call('HSET', KEYS[2 + i * 4], 'l', levels[i + 1][2], 's', now)
-      redis.call('EXPIRE', KEYS[2 + i * 4], 120)
-    end
-    if conc > 0 then
-      redis.call('ZADD', KEYS[3 + i * 4], now * 1000 + ttl_ms, rid)
-      redis.call('PEXPIRE', KEYS[3 + i * 4], ttl_ms)
-    end
-    if daily > 0 then
-      redis.call('INCRBY', KEYS[4 + i * 4], tokens)
-      redis.call('EXPIRE', KEYS[4 + i * 4], 172800)
-    end
-  end
-end
-return {exceeded, tostring(wait), tostring(levels[1][1]), tostring(levels[1][2]),
-        math.floor(now / 86400)}
-"""
-
-# KEYS: as above. ARGV: refund (reserved - used, may be negative), reservation id, then
-# 4 per scope as above.
-SETTLE_LUA = """
-local refund = tonumber(ARGV[1])
-local rid = ARGV[2]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local nscopes = #KEYS / 4
-for i = 0, nscopes - 1 do
-  local tpm = tonumber(ARGV[4 + i * 4])
-  local conc = tonumber(ARGV[5 + i * 4])
-  local daily = tonumber(ARGV[6 + i * 4])
-  if tpm > 0 then
-    local v = redis.call('HMGET', KEYS[2 + i * 4], 'l', 's')
-    local l = tpm
-    if v[1] then
-      l = tonumber(v[1]) + (now - tonumber(v[2])) * tpm / 60
-      if l > tpm then l = tpm end
-    end
-    l = l + refund
-    if l > tpm then l = tpm end
-    redis.call('HSET', KEYS[2 + i * 4], 'l', l, 's', now)
-    redis.call('EXPIRE', KEYS[2 + i * 4], 120)
-  end
-  if conc > 0 then redis.call('ZREM', KEYS[3 + i * 4], rid) end
-  if daily > 0 and refund ~= 0 then
-    local used = tonumber(redis.call('GET', KEYS[4 + i * 4]) or '0') - refund
-    if used < 0 then used = 0 end
-    redis.call('SET', KEYS[4 + i * 4], used, 'KEEPTTL')
-  end
-end
-return 1
-"""
 
 
 class RedisUnavailable(Exception):
@@ -161,7 +48,7 @@ class RedisLimiter:
         *,
         key_prefix: str = "servefleet:limits",
         timeout_s: float = 0.5,
-        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        lease_ttl_s: float = REDIS_LEASE_TTL_S,
     ) -> None:
         import redis.asyncio as redis_asyncio
 
@@ -173,9 +60,12 @@ class RedisLimiter:
             health_check_interval=0,
         )
         self._prefix = key_prefix
+        self.lease_ttl_s = lease_ttl_s
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
         self._reserve = self._client.register_script(RESERVE_LUA)
         self._settle = self._client.register_script(SETTLE_LUA)
+        self._renew = self._client.register_script(RENEW_LUA)
+        self._leases: dict[str, list[str]] = {}  # reservation id -> the live sets it is in
         self._keys_cache: dict[tuple[str, int], list[str]] = {}
 
     @property
@@ -215,8 +105,9 @@ class RedisLimiter:
                 _limit_arg(p.max_concurrent),
                 _limit_arg(p.daily_tokens),
             ]
+        keys = self._keys(scopes, day)
         try:
-            result = await self._reserve(keys=self._keys(scopes, day), args=args)
+            result = await self._reserve(keys=keys, args=args)
         except Exception as exc:
             raise RedisUnavailable(str(exc)) from exc
         exceeded, wait, req_level, tok_level, redis_day = (
@@ -231,12 +122,16 @@ class RedisLimiter:
             return LimitDecision(False, snapshot, None, wait, LIMIT_NAMES[exceeded - 1])
         if redis_day != day:  # the day turned between our clock and Redis' clock
             day = redis_day
+        live = [keys[i * 4 + 2] for i, s in enumerate(scopes) if s.policy.max_concurrent]
+        if live:
+            self._leases[rid] = live
         return LimitDecision(True, snapshot, Reservation(rid, tuple(scopes), tokens, day, self))
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.settled:
             return
         reservation.settled = True
+        self._leases.pop(reservation.id, None)
         args: list[Any] = [reservation.tokens - used_tokens, reservation.id]
         for scope in reservation.scopes:
             p = scope.policy
@@ -267,6 +162,19 @@ class RedisLimiter:
             None if tpm is None else max(0, int(tok_level)),
             0.0 if tpm is None else (tpm - tok_level) * 60.0 / tpm,
         )
+
+    async def renew_leases(self) -> int:
+        """Extend every concurrency lease this gateway holds by a full TTL, in one round trip;
+        returns how many were renewed."""
+        keys = [key for live in self._leases.values() for key in live]
+        if not keys:
+            return 0
+        rids = [rid for rid, live in self._leases.items() for _ in live]
+        try:
+            await self._renew(keys=keys, args=[self._lease_ttl_ms, *rids])
+        except Exception as exc:
+            raise RedisUnavailable(str(exc)) from exc
+        return len(keys)
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -351,6 +259,16 @@ class FailoverLimiter:
         except RedisUnavailable as exc:
             # The concurrency lease expires on its own; the token refund is lost (conservative).
             self._failed("settle", exc)
+
+    async def keep_leases(self) -> None:
+        """Renew this gateway's concurrency leases in Redis for as long as it runs (a task the
+        gateway starts and cancels); an unreachable Redis is one more failure, never the end."""
+        while True:
+            await asyncio.sleep(self.primary.lease_ttl_s / 3)
+            try:
+                await self.primary.renew_leases()
+            except RedisUnavailable as exc:
+                self._failed("renew", exc)
 
     async def close(self) -> None:
         await self.primary.close()

@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from servefleet.api.gateway_stats import DeploymentStats
 
 PREFIX = "servefleet_gateway_"
-OUTCOMES = ("ok", "4xx", "429", "503", "spilled", "upstream_error")
+# client_closed: the client left mid-answer (nginx's 499) — not an error of ours to alert on.
+OUTCOMES = ("ok", "4xx", "429", "503", "spilled", "upstream_error", "client_closed")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 OTHER_TENANT = "_other"
 DEFAULT_TENANT_SERIES_LIMIT = 100
@@ -43,7 +44,7 @@ class GatewayMetrics:
         tm = ["tenant", "model"]
         self.requests = self._counter(
             "requests",
-            "Requests by outcome (ok, 4xx, 429, 503, spilled, upstream_error).",
+            "Requests by outcome (ok, 4xx, 429, 503, spilled, upstream_error, client_closed).",
             [*tm, "outcome"],
         )
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens served.", tm)

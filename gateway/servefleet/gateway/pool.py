@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
 from servefleet.api.gateway_stats import DeploymentStats, GatewayReplicaStats, ReplicaHealth
 from servefleet.gateway.admission import Action, AdmissionOutcome, PoolView, SpillRule, decide
 from servefleet.gateway.measurements import Ewma, LatencyWindow, RateWindow
+from servefleet.gateway.pool_types import Lease, PoolRequest, Shed, Spill
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
 from servefleet.gateway.retry_promises import RetryPromises
 from servefleet.gateway.routing import Replica, ReplicaSet
@@ -28,44 +28,7 @@ from servefleet.gateway.spill_budget import LocalSpillBudget, SpillBudget
 if TYPE_CHECKING:  # the tokenizer is optional and loaded lazily
     from servefleet.gateway.token_counter import PromptTokenCounter
 
-
-@dataclass(frozen=True, slots=True)
-class PoolRequest:
-    """What the pool needs to know about a request to place it."""
-
-    tenant: str
-    traffic_class: TrafficClass
-    weight: float
-    tokens: int  # prompt + the completion budget: its cost in the queue and on a replica
-    affinity_key: int | None
-    retry_key: bytes | None = None  # tenant + body: known again when it comes back (retry_promises)
-
-
-@dataclass(slots=True, eq=False)
-class Lease:
-    """A slot on a replica, held from dispatch until the response ends."""
-
-    replica: Replica
-    tokens: int
-    dispatched_at: float
-    queue_wait_s: float = 0.0
-    released: bool = False
-    batch: bool = False  # a batch request's slot: load, but not demand that buys replicas
-
-
-@dataclass(frozen=True, slots=True)
-class Spill:
-    """Send the request to the hosted API; one unit of the spill-over budget is taken."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Shed:
-    """Answer 503 with this Retry-After."""
-
-    retry_after_s: float
-    reason: str
+__all__ = ["DeploymentPool", "Lease", "PoolRequest", "Shed", "Spill"]
 
 
 class _ShedWhileQueued(Exception):

@@ -93,7 +93,7 @@ class Relay:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         relay = SseRelay(strip_usage=not call.wants_usage)
         gone = asyncio.ensure_future(receive())
-        completed = False
+        completed = left = False
         try:
             async for chunk in response.iter_chunks():
                 out = relay.feed(chunk)
@@ -103,6 +103,7 @@ class Relay:
                         self._observe_ttft(call, spill)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 if gone.done():
+                    left = True
                     break  # the client left: closing the upstream aborts the generation
             else:
                 completed = relay.done
@@ -121,7 +122,7 @@ class Relay:
         if completed:
             _count_ok(call, spill)
         else:
-            call.route.metrics.outcome["upstream_error"].inc()
+            call.route.metrics.outcome["client_closed" if left else "upstream_error"].inc()
         return completed
 
     def _observe_ttft(self, call: Call, spill: bool) -> None:

@@ -1,0 +1,48 @@
+"""What the pool is asked and what it answers: a request to place; a lease on a replica, a
+spill-over, or a shed with its Retry-After."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servefleet.gateway.queueing import TrafficClass
+from servefleet.gateway.routing import Replica
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRequest:
+    """What the pool needs to know about a request to place it."""
+
+    tenant: str
+    traffic_class: TrafficClass
+    weight: float
+    tokens: int  # prompt + the completion budget: its cost in the queue and on a replica
+    affinity_key: int | None
+    retry_key: bytes | None = None  # tenant + body: known again when it comes back (retry_promises)
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """A slot on a replica, held from dispatch until the response ends."""
+
+    replica: Replica
+    tokens: int
+    dispatched_at: float
+    queue_wait_s: float = 0.0
+    released: bool = False
+    batch: bool = False  # a batch request's slot: load, but not demand that buys replicas
+
+
+@dataclass(frozen=True, slots=True)
+class Spill:
+    """Send the request to the hosted API; one unit of the spill-over budget is taken."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """Answer 503 with this Retry-After."""
+
+    retry_after_s: float
+    reason: str
