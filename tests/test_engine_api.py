@@ -16,17 +16,16 @@ import torch
 
 from servefleet.engine.model.llama import kv_bytes_per_block
 from servefleet.engine.process import BuiltEngine, resolve_kv_cache_dtype
-from tests.support.engine_harness import make_engine
-from tests.support.http_server import serve_in_thread
+from tests.support.engine_harness import make_engine, running_engine
+from tests.support.http_server import openai_client, serve_in_thread
 
 MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
 def built(smollm2) -> Iterator[BuiltEngine]:  # type: ignore[no-untyped-def]
-    engine = make_engine(smollm2, max_queue_depth=64)
-    yield engine
-    engine.engine.stop()
+    with running_engine(smollm2, max_queue_depth=64) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,7 @@ def url(built: BuiltEngine) -> Iterator[str]:
 
 @pytest.fixture()
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    return openai_client(url)
 
 
 def wait_all_free(built: BuiltEngine, timeout: float = 10.0) -> None:

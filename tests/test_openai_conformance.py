@@ -38,7 +38,7 @@ from servefleet.api.openai_wire import MAX_JSON_DEPTH
 from servefleet.bench.processes import serve_in_thread as serve_app
 from servefleet.engine.process import BuiltEngine
 from servefleet.gateway.app import Gateway
-from tests.support.engine_harness import make_engine
+from tests.support.engine_harness import running_engine
 from tests.support.http_server import serve_in_thread
 
 MODEL = "smollm2-135m-instruct"
@@ -561,9 +561,8 @@ for _row, (_call, _kwargs) in REFUSED.items():
 # ---- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def built(smollm2) -> Iterator[BuiltEngine]:  # type: ignore[no-untyped-def]
-    engine = make_engine(smollm2, max_queue_depth=64)
-    yield engine
-    engine.engine.stop()
+    with running_engine(smollm2, max_queue_depth=64) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from servefleet.engine.process import BuiltEngine
-from tests.support.engine_harness import make_engine
-from tests.support.http_server import serve_in_thread
+from tests.support.engine_harness import running_engine
+from tests.support.http_server import openai_client, serve_in_thread
 
 MODEL = "smollm2-135m-instruct"
 
@@ -114,15 +114,14 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def built(smollm2) -> Iterator[BuiltEngine]:  # type: ignore[no-untyped-def]
-    engine = make_engine(smollm2, max_num_seqs=16)
-    yield engine
-    engine.engine.stop()
+    with running_engine(smollm2, max_num_seqs=16) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def client(built: BuiltEngine) -> Iterator[openai.OpenAI]:
     with serve_in_thread(built) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        yield openai_client(base)
 
 
 def _schema_format(name: str) -> dict[str, Any]:

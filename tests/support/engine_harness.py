@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from servefleet.engine.config import EngineConfig
@@ -19,6 +21,16 @@ def make_engine(loaded: LoadedModel, **settings: Any) -> BuiltEngine:
     built.engine.start()
     built.state.ready = True
     return built
+
+
+@contextmanager
+def running_engine(loaded: LoadedModel, **settings: Any) -> Iterator[BuiltEngine]:
+    """`make_engine` for a fixture: the engine thread is stopped when the block ends."""
+    built = make_engine(loaded, **settings)
+    try:
+        yield built
+    finally:
+        built.engine.stop()
 
 
 async def generate(

@@ -103,24 +103,26 @@ def _common(flag: str, spec: LLMDeploymentSpec, model: str, listen: EngineListen
     ]
 
 
+def _when_set(*flags: tuple[str, object | None]) -> list[str]:
+    """`flag value` for each knob the spec sets; an unset one keeps the engine's default."""
+    return [part for flag, value in flags if value is not None for part in (flag, str(value))]
+
+
 def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
     engine, concurrency = spec.engine, spec.pool.per_replica_concurrency
+    kv = engine.kv_cache_size()
     flags = _common("--model", spec, model, listen)
     flags += ["--block-size", str(engine.block_size), "--dtype", engine.dtype]
     flags += ["--drain-timeout", str(engine.drain_timeout_seconds)]
-    if (kv := engine.kv_cache_size()) is not None:
-        flags += ["--kv-cache-memory", kv.flag_value()]
+    flags += _when_set(("--kv-cache-memory", kv and kv.flag_value()))
     # The gateway sends a replica at most perReplicaConcurrency requests at once (it holds
     # the real queue), so the engine batches that many and queues no more than that.
     flags += ["--max-num-seqs", str(engine.max_num_seqs or concurrency)]
     flags += ["--max-queue-depth", str(concurrency)]
-    if engine.max_num_batched_tokens is not None:
-        flags += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    flags += _when_set(("--max-num-batched-tokens", engine.max_num_batched_tokens))
     if not engine.prefix_caching:
         flags.append("--no-prefix-caching")
-    if engine.max_model_len is not None:
-        flags += ["--max-model-len", str(engine.max_model_len)]
-    return flags
+    return flags + _when_set(("--max-model-len", engine.max_model_len))
 
 
 def _quantization(spec: LLMDeploymentSpec) -> list[str]:
@@ -131,42 +133,37 @@ def _quantization(spec: LLMDeploymentSpec) -> list[str]:
 
 def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
     engine = spec.engine
+    kv = engine.kv_cache_size()
     flags = _common("--model", spec, model, listen)
     flags += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     flags += ["--block-size", str(engine.block_size), "--dtype", engine.dtype]
-    kv = engine.kv_cache_size()
-    if kv is not None and kv.fraction is not None:
-        flags += ["--gpu-memory-utilization", str(kv.fraction)]
-    elif kv is not None:
-        flags += ["--kv-cache-memory", str(kv.bytes)]
-    if engine.max_num_seqs is not None:
-        flags += ["--max-num-seqs", str(engine.max_num_seqs)]
-    if engine.max_num_batched_tokens is not None:
-        flags += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    flags += _when_set(
+        ("--gpu-memory-utilization", kv and kv.fraction),
+        ("--kv-cache-memory", kv and kv.bytes),  # a size is a fraction or bytes, never both
+        ("--max-num-seqs", engine.max_num_seqs),
+        ("--max-num-batched-tokens", engine.max_num_batched_tokens),
+    )
     flags.append(
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
     )
-    if engine.max_model_len is not None:
-        flags += ["--max-model-len", str(engine.max_model_len)]
+    flags += _when_set(("--max-model-len", engine.max_model_len))
     return flags + _quantization(spec)
 
 
 def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
     engine = spec.engine
+    kv = engine.kv_cache_size()
     flags = _common("--model-path", spec, model, listen)
     flags += ["--tp-size", str(engine.tensor_parallel_size)]
     flags += ["--page-size", str(engine.block_size), "--dtype", engine.dtype, "--enable-metrics"]
-    kv = engine.kv_cache_size()
-    if kv is not None and kv.fraction is not None:
-        flags += ["--mem-fraction-static", str(kv.fraction)]
-    if engine.max_num_seqs is not None:
-        flags += ["--max-running-requests", str(engine.max_num_seqs)]
-    if engine.max_num_batched_tokens is not None:
-        flags += ["--chunked-prefill-size", str(engine.max_num_batched_tokens)]
+    flags += _when_set(
+        ("--mem-fraction-static", kv and kv.fraction),  # SGLang takes no size in bytes
+        ("--max-running-requests", engine.max_num_seqs),
+        ("--chunked-prefill-size", engine.max_num_batched_tokens),
+    )
     if not engine.prefix_caching:
         flags.append("--disable-radix-cache")
-    if engine.max_model_len is not None:
-        flags += ["--context-length", str(engine.max_model_len)]
+    flags += _when_set(("--context-length", engine.max_model_len))
     return flags + _quantization(spec)
 
 

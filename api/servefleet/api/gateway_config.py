@@ -27,6 +27,7 @@ from servefleet.api.llmdeployment import (
     SecretKeyRef,
     SpilloverSpec,
     TenantLimits,
+    TenantSpec,
 )
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -304,53 +305,27 @@ def render_gateway_config(
     tenants: dict[str, GatewayTenant] = {}
     rendered: list[GatewayDeployment] = []
     for dep in deployments:
-        spec = dep.spec
-        access: list[TenantAccess] = []
-        for tenant in spec.tenants:
-            key = key_source.tenant_key(tenant.api_key_secret_ref)
-            known = tenants.get(tenant.name)
-            if known is None:
-                tenants[tenant.name] = GatewayTenant(
-                    name=tenant.name, api_keys=[key], limits=tenant.limits
-                )
-            else:
-                if known.limits != tenant.limits:
-                    raise ValueError(
-                        f"tenant {tenant.name}: tenant-wide limits differ between deployments"
-                    )
-                if key not in known.api_keys:
-                    known.api_keys.append(key)
-            access.append(
-                TenantAccess(
-                    name=tenant.name,
-                    traffic_class=tenant.traffic_class,
-                    weight=tenant.weight,
-                    model_limits=tenant.model_limits,
-                )
-            )
-        spill = spec.spillover
-        spill_key = None
-        if spill is not None and spill.enabled and spill.api_key_secret_ref is not None:
-            spill_key = key_source.secret_value(spill.api_key_secret_ref)
+        access = [_merge_tenant(tenants, tenant, key_source) for tenant in dep.spec.tenants]
+        spill = dep.spec.spillover
+        enabled_spill = spill if spill is not None and spill.enabled else None
+        spill_ref = None if enabled_spill is None else enabled_spill.api_key_secret_ref
         engine_key_ref = (engine_keys or {}).get(dep.name)
         rendered.append(
             GatewayDeployment(
                 name=dep.name,
-                model=spec.model.name,
+                model=dep.spec.model.name,
                 endpoints=list(endpoints.get(dep.name, [])),
                 service=(services or {}).get(dep.name),
-                block_size=spec.engine.block_size,
-                ready_path=engine_adapter(spec.engine.kind).ready_path,
+                block_size=dep.spec.engine.block_size,
+                ready_path=engine_adapter(dep.spec.engine.kind).ready_path,
                 # Built-in models ship with the gateway's image too; other sources do not.
-                tokenizer=spec.model.source.builtin,
-                pool=spec.pool,
-                admission=spec.admission,
+                tokenizer=dep.spec.model.source.builtin,
+                pool=dep.spec.pool,
+                admission=dep.spec.admission,
                 tenants=access,
-                spillover=spill if spill is not None and spill.enabled else None,
-                spillover_api_key=spill_key,
-                engine_api_key=(
-                    None if engine_key_ref is None else key_source.secret_value(engine_key_ref)
-                ),
+                spillover=enabled_spill,
+                spillover_api_key=_secret_value(key_source, spill_ref),
+                engine_api_key=_secret_value(key_source, engine_key_ref),
             )
         )
     return GatewayConfig(
@@ -360,3 +335,29 @@ def render_gateway_config(
         tenants=list(tenants.values()),
         deployments=rendered,
     )
+
+
+def _merge_tenant(
+    tenants: dict[str, GatewayTenant], tenant: TenantSpec, key_source: KeySource
+) -> TenantAccess:
+    """Adds a deployment's tenant to `tenants` (one entry per name, keys merged) and returns
+    its access to that deployment."""
+    key = key_source.tenant_key(tenant.api_key_secret_ref)
+    known = tenants.get(tenant.name)
+    if known is None:
+        tenants[tenant.name] = GatewayTenant(name=tenant.name, api_keys=[key], limits=tenant.limits)
+    else:
+        if known.limits != tenant.limits:
+            raise ValueError(f"tenant {tenant.name}: tenant-wide limits differ between deployments")
+        if key not in known.api_keys:
+            known.api_keys.append(key)
+    return TenantAccess(
+        name=tenant.name,
+        traffic_class=tenant.traffic_class,
+        weight=tenant.weight,
+        model_limits=tenant.model_limits,
+    )
+
+
+def _secret_value(key_source: KeySource, ref: SecretKeyRef | None) -> SecretValueRef | None:
+    return None if ref is None else key_source.secret_value(ref)

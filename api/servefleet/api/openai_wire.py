@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from itertools import accumulate, count
 from operator import sub
 from typing import Any, TypeVar
@@ -153,25 +153,29 @@ def headers_too_large(scope: Scope, limit: int = MAX_HEADER_BYTES) -> bool:
     return sum(len(k) + len(v) for k, v in scope.get("headers", ())) > limit
 
 
-async def send_header_error(send: Send) -> None:
-    body = json.dumps(
-        error_body(
-            f"Request headers are larger than {MAX_HEADER_BYTES} bytes.",
-            code="request_header_fields_too_large",
-        )
-    ).encode()
+async def send_json(
+    send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """A whole JSON response from plain ASGI: the one way our middlewares refuse a request
+    before any framework sees it (`headers` go after content-type and content-length)."""
     await send(
         {
             "type": "http.response.start",
-            "status": 431,
+            "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
+                *headers,
             ],
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+async def send_header_error(send: Send) -> None:
+    message = f"Request headers are larger than {MAX_HEADER_BYTES} bytes."
+    body = json.dumps(error_body(message, code="request_header_fields_too_large")).encode()
+    await send_json(send, 431, body, [(b"connection", b"close")])
 
 
 class HeaderLimit:

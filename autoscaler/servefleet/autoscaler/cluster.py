@@ -119,7 +119,6 @@ class ClusterAutoscaler:
                 continue
             seen.add((dep.namespace, dep.name))
             scaler = self._scaler(dep, stats)
-            scaler.targets = targets_from_spec(dep.spec)
             await scaler.tick(time.monotonic())
             if stats is not None:
                 await self._report_queue_depth(dep, stats.get(dep.name))
@@ -142,8 +141,9 @@ class ClusterAutoscaler:
     def _scaler(
         self, dep: LLMDeployment, stats: dict[str, DeploymentStats] | None
     ) -> DeploymentAutoscaler:
-        """The deployment's autoscaler, observing with this tick's gateway stats (None: the
-        gateways could not be read, so their queue is unknown, never taken as zero)."""
+        """The deployment's autoscaler, with this tick's targets and observing with this tick's
+        gateway stats (None: the gateways could not be read, so their queue is unknown, never
+        taken as zero)."""
         key = (dep.namespace, dep.name)
         scaler = self._scalers.get(key)
         selector, spec, name, namespace = dep.status.selector, dep.spec, dep.name, dep.namespace
@@ -166,6 +166,7 @@ class ClusterAutoscaler:
             )
             self._scalers[key] = scaler
         else:
+            scaler.targets = targets_from_spec(spec)  # the spec may have changed
             scaler.set_observe(observe)
         return scaler
 

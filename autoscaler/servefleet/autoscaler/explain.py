@@ -94,17 +94,21 @@ def _no_capacity(f: Facts, t: ScalingTargets) -> str:
     return f"demand {f.demand:.0f} wants {f.wanted}, {why}"
 
 
+def _level(f: Facts, t: ScalingTargets) -> str:
+    return f"demand {f.level:.1f} at {t.target_per_replica:g} per replica"
+
+
 def _demand(f: Facts, t: ScalingTargets) -> str:
     if f.burst:  # sized on the latest sample: it jumped far above the recent level
         return (
             f"queue {f.waiting}, demand {f.demand:.0f} jumped from {f.prior_level:.0f}, "
             f"cold start {f.cold_start_s:.0f} s"
         )
-    return f"demand {f.level:.1f} at {t.target_per_replica:g} per replica"
+    return _level(f, t)
 
 
 _DETAILS: dict[Reason, Callable[[Facts, ScalingTargets], str]] = {
-    Reason.STEADY: lambda f, t: f"demand {f.level:.1f} at {t.target_per_replica:g} per replica",
+    Reason.STEADY: _level,
     Reason.DEMAND: _demand,
     Reason.PREDICTED_GROWTH: lambda f, t: (
         f"demand {f.demand:.0f} rising {f.trend_per_s:.2f}/s over a cold start of "

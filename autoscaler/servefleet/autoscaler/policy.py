@@ -197,22 +197,15 @@ def _observe(
     window_s = dm.level_window_s(targets.scale_down_delay_s)
     prior = dm.window(state.demand_history, now, window_s)
     history = dm.append_history(state.demand_history, now, sample, window_s) if known else prior
-    unavailable = sum(
-        1
-        for r in observation.replicas
-        if r.state is ReplicaState.PENDING
-        and now - starting_since.get(r.name, now) > targets.pending_patience_s
-    )
+    unavailable = _unavailable(observation, targets, now, starting_since)
     trend = dm.demand_trend(history)
     prior_level = dm.mean_level(prior) if prior else sample
-    coming = sum(
-        1 for r in observation.replicas if r.state in (ReplicaState.STARTING, ReplicaState.PENDING)
-    )
+    coming = observation.count(ReplicaState.STARTING) + observation.count(ReplicaState.PENDING)
     headroom = 0 if unavailable else observation.free_capacity
-    live = sum(1 for r in observation.replicas if r.state is not ReplicaState.DRAINING)
+    waiting = dm.waiting(observation)
     tick = _Tick(
         now=now,
-        current=live,
+        current=len(observation.replicas) - observation.count(ReplicaState.DRAINING),
         coming=coming - unavailable,
         unavailable=unavailable,
         headroom=headroom,
@@ -222,11 +215,11 @@ def _observe(
         sample_size=_clamp_to(math.ceil(sample / targets.target_per_replica), targets),
         level=dm.mean_level(history) if history else sample,
         prior_level=prior_level,
-        burst=dm.waiting(observation) > 0 and dm.is_burst(sample, prior_level),
+        burst=waiting > 0 and dm.is_burst(sample, prior_level),
         trend=trend,
         fitted=dm.fitted_now(history, trend) if history else sample,
         cold_start_s=cold,
-        waiting=dm.waiting(observation),
+        waiting=waiting,
         spill_budget=budget,
         spill_bought=bought,
         renting_recently=targets.prices_spill
@@ -234,7 +227,7 @@ def _observe(
         and (observation.spilled_per_s <= 0 or not bought),
     )
     new_state = PolicyState(
-        first_seen=state.first_seen if state.first_seen is not None else now,
+        first_seen=_first_seen(state, now),
         last_tick=now,
         demand_history=history,
         starting_since=starting_since,
@@ -243,6 +236,18 @@ def _observe(
         last_spill_at=last_spill,
     )
     return tick, new_state
+
+
+def _unavailable(
+    observation: Observation, targets: ScalingTargets, now: float, starting_since: dict[str, float]
+) -> int:
+    """Pending replicas asked for longer ago than their patience: they may never come."""
+    return sum(
+        1
+        for r in observation.replicas
+        if r.state is ReplicaState.PENDING
+        and now - starting_since.get(r.name, now) > targets.pending_patience_s
+    )
 
 
 def _scale_up_target(

@@ -92,8 +92,6 @@ class SimResult:
     spilled_tokens: int = 0
     timeline_s: list[float] = field(default_factory=list)
     timeline_replicas: list[int] = field(default_factory=list)
-    timeline_ready: list[int] = field(default_factory=list)
-    timeline_demand: list[int] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
 
     def slo_attainment(self, target_s: float) -> float:
@@ -243,11 +241,6 @@ class _Sim:
         r = self.result
         r.timeline_s.append(now)
         r.timeline_replicas.append(len(self.replicas))
-        r.timeline_ready.append(
-            sum(1 for x in self.replicas.values() if x.state is ReplicaState.READY)
-        )
-        in_flight = sum(x.in_flight for x in self.replicas.values())
-        r.timeline_demand.append(len(self.queues[0]) + len(self.queues[1]) + in_flight)
 
     def run(self) -> SimResult:
         for _ in range(self.cluster.initial_replicas):

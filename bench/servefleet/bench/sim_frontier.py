@@ -236,21 +236,18 @@ def verdict(points: Sequence[Point], goal_slo: float = 0.99) -> dict[str, Any]:
     )
     meeting = [p for p in ours if p.slo_attainment >= goal_slo]
     best = min(meeting, key=lambda p: p.cost) if meeting else None
+    others = {name: pts for name, pts in by_policy.items() if pts is not ours}
+    missed = {name: unmatched(ours, pts) for name, pts in others.items()}
     return {
-        "dominates": {
-            name: dominates(ours, pts) for name, pts in by_policy.items() if pts is not ours
-        },
+        "dominates": {name: not points for name, points in missed.items()},  # as `dominates`
         "unmatched": {
-            name: [(p.cost, p.slo_attainment) for p in unmatched(ours, pts)]
-            for name, pts in by_policy.items()
-            if pts is not ours
+            name: [(p.cost, p.slo_attainment) for p in points] for name, points in missed.items()
         },
         "dominates_practically": {
             name: not [
                 t for t in unmatched(ours, pts, PRACTICAL_SLO_TOLERANCE) if t.slo_attainment >= 0.5
             ]
-            for name, pts in by_policy.items()
-            if pts is not ours
+            for name, pts in others.items()
         },
         "goal_slo": goal_slo,
         "fixed_pool_cost": full.cost if full else None,

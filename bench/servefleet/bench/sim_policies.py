@@ -70,6 +70,16 @@ def _live(view: ClusterView) -> tuple[list[SimReplica], list[SimReplica]]:
     return ready, starting
 
 
+def _live_count(view: ClusterView) -> int:
+    """Replicas ready or starting: what the scalers compare their recommendation with."""
+    return sum(r.state in (ReplicaState.READY, ReplicaState.STARTING) for r in view.replicas)
+
+
+def _active_requests(view: ClusterView) -> int:
+    """Queued plus in flight: the queue-length metric KEDA and KubeAI scale on."""
+    return view.queued + sum(r.in_flight for r in view.replicas)
+
+
 @dataclass
 class HpaBehaviour:
     """kube-controller-manager's damping around any metric's raw recommendation: scale-down
@@ -159,9 +169,8 @@ class KedaPolicy:
         self.behaviour = HpaBehaviour(self.min_replicas, self.max_replicas, self.stabilisation_s)
 
     def tick(self, view: ClusterView) -> ScaleAction:
-        ready, starting = _live(view)
-        current = len(ready) + len(starting)
-        metric = view.queued + sum(r.in_flight for r in view.replicas)
+        current = _live_count(view)
+        metric = _active_requests(view)
         if current == 0:
             return ScaleAction(desired=max(self.min_replicas, 1 if metric else 0), reason="keda")
         ratio = metric / (current * self.target_per_replica)
@@ -184,13 +193,11 @@ class KubeAiPolicy:
     _low_since: float | None = None
 
     def tick(self, view: ClusterView) -> ScaleAction:
-        active = view.queued + sum(r.in_flight for r in view.replicas)
-        self._samples.append((view.now, active))
+        self._samples.append((view.now, _active_requests(view)))
         while self._samples[0][0] < view.now - self.window_s:
             self._samples.popleft()
         average = sum(a for _, a in self._samples) / len(self._samples)
-        ready, starting = _live(view)
-        current = len(ready) + len(starting)
+        current = _live_count(view)
         desired = math.ceil(average / self.target_per_replica)
         desired = min(max(desired, self.min_replicas), self.max_replicas)
         if desired < current:

@@ -1,15 +1,13 @@
-"""Tables and plots of autoscaler simulations: the frontier per trace, and one timeline."""
+"""Tables and plots of autoscaler simulations: the frontier per trace."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-from .sim_cluster import SimResult
 from .sim_frontier import POLICIES, Point, frontier
-from .sim_trace import Trace
 
 COLOURS = {
     "servefleet": "tab:blue",
@@ -74,52 +72,22 @@ def plot_frontiers(points_by_trace: dict[str, list[Point]], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_timeline(trace: Trace, results: list[SimResult], path: Path) -> None:
-    """Offered rate (per minute) above, each policy's replicas below."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (load_ax, rep_ax) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    minutes = np.arange(0.0, trace.duration_s + 60.0, 60.0)
-    counts, _ = np.histogram(trace.arrivals_s, bins=minutes)
-    load_ax.plot(minutes[:-1] / 3600, counts / 60.0, color="black", lw=0.8, label="req/s")
-    load_ax.set_ylabel("requests/s")
-    load_ax.legend(loc="upper left")
-    for r in results:
-        rep_ax.step(
-            [t / 3600 for t in r.timeline_s],
-            r.timeline_replicas,
-            where="post",
-            label=r.policy,
-            lw=0.9,
-        )
-    rep_ax.set_ylabel("replicas (incl. starting/draining)")
-    rep_ax.set_xlabel("simulated hours")
-    rep_ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def write_report(
     points_by_trace: dict[str, list[Point]],
     traces: dict[str, dict[str, object]],
+    verdicts: dict[str, dict[str, Any]],
     params: dict[str, object],
     out: Path,
     stem: str = "autoscaler_sim",
 ) -> dict[str, object]:
     """`<out>/<stem>.json` (every point, frontier and verdict per trace) and `<stem>.png`."""
-    from .sim_frontier import verdict
-
     report: dict[str, object] = {
         "benchmark": stem,
         "params": params,
         "traces": {
             name: {
                 **traces[name],
-                "verdict": verdict(points),
+                "verdict": verdicts[name],
                 "frontier": {
                     policy: [
                         p.model_dump() for p in frontier([q for q in points if q.policy == policy])
@@ -132,8 +100,6 @@ def write_report(
         },
     }
     out.mkdir(parents=True, exist_ok=True)
-    import json
-
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     plot_frontiers(points_by_trace, out / f"{stem}.png")
     return report

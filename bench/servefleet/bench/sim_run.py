@@ -104,7 +104,7 @@ def run(traces: list[Trace], args: argparse.Namespace, out: Path, stem: str) -> 
         print(frontier_table(pts))
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     params["sweep"] = sweep.model_dump()
-    report = write_report(points, {t.name: describe(t) for t in traces}, params, out, stem)
     summary = {name: verdict(pts) for name, pts in points.items()}
+    report = write_report(points, {t.name: describe(t) for t in traces}, summary, params, out, stem)
     print(json.dumps({"seconds": round(time.monotonic() - started, 1), "verdicts": summary}))
     return report

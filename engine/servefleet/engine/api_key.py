@@ -12,17 +12,14 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from servefleet.api.openai_wire import error_body, send_json
+
 PROTECTED_PREFIX = "/v1"
 
 _UNAUTHORIZED = json.dumps(
-    {
-        "error": {
-            "message": "Incorrect or missing API key: send `Authorization: Bearer KEY`.",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
+    error_body(
+        "Incorrect or missing API key: send `Authorization: Bearer KEY`.", code="invalid_api_key"
+    )
 ).encode()
 
 
@@ -52,21 +49,6 @@ class ApiKeyMiddleware:
         ):
             headers = dict(scope.get("headers") or [])
             if not bearer_matches(headers.get(b"authorization"), self.api_key):
-                await _send_unauthorized(send)
+                await send_json(send, 401, _UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
                 return
         await self.app(scope, receive, send)
-
-
-async def _send_unauthorized(send: Send) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(_UNAUTHORIZED)).encode()),
-                (b"www-authenticate", b"Bearer"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": _UNAUTHORIZED})

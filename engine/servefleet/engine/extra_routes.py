@@ -71,20 +71,17 @@ def add_extra_routes(app: FastAPI, state: ServingState) -> None:
             )
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
+    _add_embeddings_route(app, state)
+
+
+def _add_embeddings_route(app: FastAPI, state: ServingState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
         body = await parse(request, EmbeddingRequest)
         admit(state, body.model)
         prompts = [prompt_ids(state, item, "input") for item in body.inputs()]
         for ids in prompts:
-            if len(ids) > state.max_model_len:
-                raise OpenAIError(
-                    400,
-                    f"This model's maximum context length is {state.max_model_len} tokens; an "
-                    f"input has {len(ids)}.",
-                    param="input",
-                    code="context_length_exceeded",
-                )
+            _check_embedding_length(state, ids)
         runner = state.engine.runner
         data = []
         for index, ids in enumerate(prompts):
@@ -101,6 +98,18 @@ def add_extra_routes(app: FastAPI, state: ServingState) -> None:
         }
 
 
+def _check_embedding_length(state: ServingState, ids: list[int]) -> None:
+    """An input is embedded whole, so it must fit the context (nothing is generated)."""
+    if len(ids) > state.max_model_len:
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {state.max_model_len} tokens; an "
+            f"input has {len(ids)}.",
+            param="input",
+            code="context_length_exceeded",
+        )
+
+
 def _check_model(state: ServingState, model: str | None) -> None:
     if model is not None and model != state.served_model_name:
         raise model_not_found(model)
@@ -112,12 +121,7 @@ def _tokenize(state: ServingState, body: TokenizeRequest) -> list[int]:
         return state.tokenizer.encode(body.prompt, add_special_tokens=add_special)
     assert body.messages is not None
     messages = template_messages([m.model_dump() for m in body.messages])
-    try:
-        text = state.chat_template.render(
-            messages, add_generation_prompt=body.add_generation_prompt
-        )
-    except Exception as exc:  # a template's raise_exception or a jinja error
-        raise OpenAIError(400, f"chat template failed: {exc}", param="messages") from exc
+    text = state.render_prompt(messages, add_generation_prompt=body.add_generation_prompt)
     return state.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 

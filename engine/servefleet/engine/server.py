@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,22 @@ class ServingState:
             self.tokenizer, self.chat_template, self.tool_call_parser
         )
 
+    def render_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's prompt; a template that fails (its `raise_exception`, a jinja
+        error) fails on what the client sent, so it is a 400 on `messages`."""
+        try:
+            return self.chat_template.render(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
+        except Exception as exc:
+            raise OpenAIError(400, f"chat template failed: {exc}", param="messages") from exc
+
     def retry_after(self) -> int:
         """Seconds until the queue ahead has likely drained, from measured step times."""
         waiting = self.engine.num_waiting
@@ -88,6 +105,16 @@ def build_app(state: ServingState) -> FastAPI:
     app.state.serving = state
     if state.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)
+    _add_error_handlers(app, state)
+    _add_probe_routes(app, state)
+    _add_generation_routes(app, state)
+    add_extra_routes(app, state)
+    app.add_middleware(HeaderLimit)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
+    """Every refusal in OpenAI's error shape; refusals a client caused are counted."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -104,6 +131,10 @@ def build_app(state: ServingState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(OpenAIError(exc.status_code, str(exc.detail), type="not_found"))
+
+
+def _add_probe_routes(app: FastAPI, state: ServingState) -> None:
+    """What kubelet, Prometheus and routers read: liveness, readiness, metrics, the model."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -129,17 +160,16 @@ def build_app(state: ServingState) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(state)]}
 
+
+def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
         admit(state, body.model)
         prepared = state.structured.prepare_chat(body)  # tools, response_format, guided_*
-        try:
-            prompt = state.chat_template.render(
-                prepared.messages, add_generation_prompt=True, tools=prepared.tools
-            )
-        except Exception as exc:  # a template's raise_exception or a jinja error
-            raise OpenAIError(400, f"chat template failed: {exc}", param="messages") from exc
+        prompt = state.render_prompt(
+            prepared.messages, add_generation_prompt=True, tools=prepared.tools
+        )
         ids = state.tokenizer.encode(prompt, add_special_tokens=False)
         max_tokens = check_lengths(state, ids, body.requested_max_tokens, "messages")
         engine_request = _engine_request(
@@ -167,10 +197,6 @@ def build_app(state: ServingState) -> FastAPI:
             return stream_response(state, engine_requests, body, chat=False)
         outputs = await _collect(request, state, engine_requests)
         return JSONResponse(completion_response(state, engine_requests, outputs, body))
-
-    add_extra_routes(app, state)
-    app.add_middleware(HeaderLimit)
-    return app
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

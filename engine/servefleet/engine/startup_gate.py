@@ -12,6 +12,8 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from servefleet.api.openai_wire import error_body, send_json
+
 RETRY_AFTER_S = 5
 
 
@@ -20,13 +22,7 @@ def _body(path: str) -> bytes:
         return json.dumps({"status": "loading", "detail": "loading"}).encode()
     if path == "/ready":
         return json.dumps({"ready": False, "detail": "loading"}).encode()
-    error = {
-        "message": "the engine is still loading",
-        "type": "service_unavailable",
-        "param": None,
-        "code": None,
-    }
-    return json.dumps({"error": error}).encode()
+    return json.dumps(error_body("the engine is still loading", "service_unavailable")).encode()
 
 
 class StartupGate:
@@ -49,16 +45,5 @@ class StartupGate:
             return
         if scope["type"] != "http":
             return
-        body = _body(scope["path"])
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 503,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(RETRY_AFTER_S).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        retry_after = (b"retry-after", str(RETRY_AFTER_S).encode())
+        await send_json(send, 503, _body(scope["path"]), [retry_after])
