@@ -30,7 +30,7 @@ from servefleet.engine.protocol import OpenAIError, new_id, priority_value, samp
 from servefleet.engine.request_checks import admit, check_lengths, parse, prompt_ids
 from servefleet.engine.responses import chat_response, completion_response, stream_response
 from servefleet.engine.structured.service import StructuredOutputs
-from servefleet.text.chat_template import ChatTemplate
+from servefleet.text.chat_template import ChatTemplate, ChatTemplateError
 from servefleet.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -76,7 +76,8 @@ class ServingState:
                 messages, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except Exception as exc:
-            raise OpenAIError(400, f"chat template failed: {exc}", param="messages") from exc
+            message = str(exc) if isinstance(exc, ChatTemplateError) else f"chat template: {exc}"
+            raise OpenAIError(400, message, param="messages") from exc
 
     def retry_after(self) -> int:
         """Seconds until the queue ahead has likely drained, from measured step times."""
