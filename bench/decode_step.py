@@ -33,7 +33,8 @@ import torch
 from servefleet.engine.attention import AttentionMetadata
 from servefleet.engine.config import EngineConfig
 from servefleet.engine.kernels.matmul import SmallRowsMatmul
-from servefleet.engine.model.llama import DecoderLayer, LlamaForCausalLM, allocate_kv_cache
+from servefleet.engine.model.kv_layout import allocate_kv_cache
+from servefleet.engine.model.llama import DecoderLayer, LlamaForCausalLM
 from servefleet.engine.process import load_for
 
 NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -55,7 +56,8 @@ def matmul_parts(model: LlamaForCausalLM, rows: int, repeats: int) -> dict[str, 
     assert isinstance(matmul, SmallRowsMatmul), "needs the C kernels (CPU with a compiler)"
     kernel = matmul.kernel
     layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
-    weights = [(getattr(layer, n), layer.packed[n]) for layer in layers for n in NAMES]
+    # The model holds the packed forms only; their float32 values for the dense kernels.
+    weights = [(kernel.unpack(layer.packed[n]), layer.packed[n]) for layer in layers for n in NAMES]
     xs = {k: torch.randn(rows, k) for k in {w.shape[0] for w, _ in weights}}
     for w, p in weights[:4]:  # same bits, packed or not
         x = xs[w.shape[0]]

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from servefleet.engine.model.llama import kv_bytes_per_block
+from servefleet.engine.model.kv_layout import kv_bytes_per_block
 from servefleet.engine.process import BuiltEngine, resolve_kv_cache_dtype
 from tests.support.engine_harness import make_engine, running_engine
 from tests.support.http_server import openai_client, serve_in_thread

@@ -19,7 +19,8 @@ from servefleet.engine.kernels import cbuild, cpu_fused_ops, cpu_paged_decode
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode, load_cpu_paged_decode
 from servefleet.engine.model.config import ModelConfig
-from servefleet.engine.model.llama import LlamaForCausalLM, allocate_kv_cache
+from servefleet.engine.model.kv_layout import allocate_kv_cache
+from servefleet.engine.model.llama import LlamaForCausalLM
 from servefleet.engine.model.rope import apply_rope
 
 pytestmark = pytest.mark.usefixtures("require_compiler")

@@ -18,7 +18,8 @@ from servefleet.engine.kernels import (
     select_matmul,
 )
 from servefleet.engine.model.conversion_cache import entry_dir
-from servefleet.engine.model.llama import LlamaForCausalLM, allocate_kv_cache
+from servefleet.engine.model.kv_layout import allocate_kv_cache
+from servefleet.engine.model.llama import LlamaForCausalLM
 from servefleet.engine.model.loader import LoadedModel, load_model, read_checkpoint
 from servefleet.engine.process import resolve_kv_cache_dtype
 from servefleet.text.builtin import resolve_builtin
@@ -230,11 +231,14 @@ def test_warm_start_reads_the_converted_cache(ours: LoadedModel, cache_root: Pat
     assert set(again.weights) == set(state)
     for name, tensor in again.weights.items():
         assert torch.equal(tensor, state[name]), name
-    # The packed 4/8-bit forms come back from the cache as they were written.
+    # The packed forms come back from the cache as they were written, and their float32
+    # forms were never written (the model holds only the packed ones).
     fresh = read_checkpoint("smollm2-135m-instruct", use_cache=False)
     assert set(again.packed) == set(fresh.packed) and len(fresh.packed) == 121
+    assert not set(again.weights) & set(again.packed)
     for name, packed in fresh.packed.items():
         cached = again.packed[name]
-        assert (cached.bits, cached.k, cached.n) == (packed.bits, packed.k, packed.n), name
-        assert torch.equal(cached.data, packed.data), name
+        assert (cached.k, cached.n) == (packed.k, packed.n), name
+        for part in ("data", "formats", "offsets"):
+            assert torch.equal(getattr(cached, part), getattr(packed, part)), (name, part)
     assert entry_dir(cache_root, resolve_builtin("smollm2-135m-instruct")) == entries[0]

@@ -15,7 +15,8 @@ from tokenizers import models
 
 from servefleet.engine.attention import AttentionMetadata, PrefillSpan
 from servefleet.engine.model.config import ModelConfig
-from servefleet.engine.model.llama import LlamaForCausalLM, allocate_kv_cache, kv_bytes_per_block
+from servefleet.engine.model.kv_layout import allocate_kv_cache, kv_bytes_per_block
+from servefleet.engine.model.llama import LlamaForCausalLM
 from servefleet.engine.model.loader import load_model
 from servefleet.engine.model.safetensors_loader import CheckpointError, read_safetensors_weights
 

@@ -153,19 +153,27 @@ int sf_rope_kv(float *restrict qkv, int64_t tokens, int64_t row_stride, int64_t 
  * result is bitwise the same; the projection matmuls (packed weights) and the paged
  * attention live in their own libraries and come in as function pointers. */
 
-typedef int (*sf_packed_mm_fn)(const float *, const uint8_t *, float *, int64_t, int64_t,
-                               int64_t, int, int);
+typedef int (*sf_packed_mm_fn)(const float *, const uint8_t *, const uint8_t *,
+                               const int64_t *, float *, int64_t, int64_t, int64_t, int);
 typedef int (*sf_paged_decode_fn)(const float *, const void *, const void *, int,
                                   const int32_t *, const int32_t *, float *, int64_t, int64_t,
                                   int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 
+/* A packed W [in, out]: its bytes and each column group's format and offset. */
+typedef struct {
+    const uint8_t *data, *formats;
+    const int64_t *offsets;
+} sf_packed;
+
 typedef struct {
     const float *input_norm, *post_norm;
-    const uint8_t *qkv, *o, *gate_up, *down; /* packed W [in, out] */
-    const float *qkv_bias, *o_bias;          /* NULL when the model has none */
-    void *k_cache, *v_cache;                 /* [num_blocks, block_size, kv_heads, head_dim] */
-    int32_t qkv_bits, o_bits, gate_up_bits, down_bits;
+    sf_packed qkv, o, gate_up, down;
+    const float *qkv_bias, *o_bias; /* NULL when the model has none */
+    void *k_cache, *v_cache;        /* [num_blocks, block_size, kv_heads, head_dim] */
 } sf_layer;
+
+#define SF_PACKED_MM(m, x, w, out, rows, k, n, threads) \
+    (m)->packed_mm((x), (w).data, (w).formats, (w).offsets, (out), (rows), (k), (n), (threads))
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
@@ -198,7 +206,7 @@ int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, f
     for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
         const sf_layer *L = layers + l;
         sf_add_rms_norm(hidden, l == 0 ? NULL : delta, L->input_norm, x, rows, H, m->eps);
-        status = m->packed_mm(x, L->qkv, qkv, rows, H, qkv_width, L->qkv_bits, num_threads);
+        status = SF_PACKED_MM(m, x, L->qkv, qkv, rows, H, qkv_width, num_threads);
         if (status) { status += 10; break; }
         if (L->qkv_bias != NULL)
             for (int64_t r = 0; r < rows; r++)
@@ -213,17 +221,16 @@ int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, f
                                  context_lens, attn, rows, m->heads, m->kv_heads, hd,
                                  m->block_size, m->num_blocks, max_blocks, m->scale, num_threads);
         if (status) { status += 20; break; }
-        status = m->packed_mm(attn, L->o, attn_out, rows, q_width, H, L->o_bits, num_threads);
+        status = SF_PACKED_MM(m, attn, L->o, attn_out, rows, q_width, H, num_threads);
         if (status) { status += 10; break; }
         if (L->o_bias != NULL)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t c = 0; c < H; c++) attn_out[r * H + c] += L->o_bias[c];
         sf_add_rms_norm(hidden, attn_out, L->post_norm, x, rows, H, m->eps);
-        status = m->packed_mm(x, L->gate_up, gate_up, rows, H, 2 * I, L->gate_up_bits,
-                              num_threads);
+        status = SF_PACKED_MM(m, x, L->gate_up, gate_up, rows, H, 2 * I, num_threads);
         if (status) { status += 10; break; }
         sf_silu_mul(gate_up, act, rows, I);
-        status = m->packed_mm(act, L->down, delta, rows, I, H, L->down_bits, num_threads);
+        status = SF_PACKED_MM(m, act, L->down, delta, rows, I, H, num_threads);
         if (status) { status += 10; break; }
     }
     if (status == 0)

@@ -201,22 +201,22 @@ def load_cpu_fused_ops() -> CpuFusedOps | None:
     return CpuFusedOps(library=library, path=path)
 
 
+class _Packed(ctypes.Structure):
+    _fields_ = [("data", _P), ("formats", _P), ("offsets", _P)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _P),
         ("post_norm", _P),
-        ("qkv", _P),
-        ("o", _P),
-        ("gate_up", _P),
-        ("down", _P),
+        ("qkv", _Packed),
+        ("o", _Packed),
+        ("gate_up", _Packed),
+        ("down", _Packed),
         ("qkv_bias", _P),
         ("o_bias", _P),
         ("k_cache", _P),
         ("v_cache", _P),
-        ("qkv_bits", ctypes.c_int32),
-        ("o_bits", ctypes.c_int32),
-        ("gate_up_bits", ctypes.c_int32),
-        ("down_bits", ctypes.c_int32),
     ]
 
 
@@ -315,8 +315,10 @@ class DecodeLayers:
             slot.post_norm = layer.post_norm.data_ptr()
             for name in ("qkv", "o", "gate_up", "down"):
                 weight: PackedWeight = getattr(layer, name)
-                setattr(slot, name, weight.data.data_ptr())
-                setattr(slot, f"{name}_bits", weight.bits)
+                packed = _Packed(
+                    weight.data.data_ptr(), weight.formats.data_ptr(), weight.offsets.data_ptr()
+                )
+                setattr(slot, name, packed)
             slot.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             slot.o_bias = None if layer.o_bias is None else layer.o_bias.data_ptr()
             slot.k_cache = layer.k_cache.data_ptr()

@@ -20,7 +20,7 @@ import torch
 
 from servefleet.engine.kernels import cbuild
 from servefleet.engine.kernels.cbuild import KernelBuildError
-from servefleet.engine.kernels.packed_weights import PackedWeight
+from servefleet.engine.kernels.packed_weights import PACKED_BLOCK_BYTES, PackedWeight
 
 logger = logging.getLogger("servefleet.engine.kernels")
 
@@ -53,12 +53,22 @@ _ARGTYPES = [
 ]
 _PACKED_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     ctypes.c_void_p,  # x [M, K]
-    ctypes.c_void_p,  # packed W [K, N]
+    ctypes.c_void_p,  # packed W [K, N]: bytes
+    ctypes.c_void_p,  # its group formats
+    ctypes.c_void_p,  # its group offsets
     ctypes.c_void_p,  # out [M, N]
     ctypes.c_int64,  # M
     ctypes.c_int64,  # K
     ctypes.c_int64,  # N
-    ctypes.c_int,  # bits
+    ctypes.c_int,  # num_threads
+]
+_UNPACK_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
+    ctypes.c_void_p,  # packed W [K, N]: bytes
+    ctypes.c_void_p,  # its group formats
+    ctypes.c_void_p,  # its group offsets
+    ctypes.c_void_p,  # out [K, N]
+    ctypes.c_int64,  # K
+    ctypes.c_int64,  # N
     ctypes.c_int,  # num_threads
 ]
 
@@ -152,15 +162,41 @@ class CpuSmallGemm:
         status = self.library.sf_packed_mm(
             x.data_ptr(),
             weight.data.data_ptr(),
+            weight.formats.data_ptr(),
+            weight.offsets.data_ptr(),
             out.data_ptr(),
             m,
             weight.k,
             weight.n,
-            weight.bits,
             _threads(),
         )
         if status:
-            raise ValueError(f"packed_mm: {weight.bits}-bit weight with k={weight.k} rejected")
+            raise ValueError(f"packed_mm: packed weight with k={weight.k} rejected ({status})")
+        return out
+
+    def unpack(self, weight: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 W [K, N] a packed weight holds (what `packed_weights.unpack`
+        computes, multi-threaded), into `out` when given (contiguous float32 [K, N])."""
+        if out is None:
+            out = torch.empty(weight.k, weight.n)
+        elif not (
+            out.dtype == torch.float32
+            and out.is_cpu
+            and out.is_contiguous()
+            and tuple(out.shape) == (weight.k, weight.n)
+        ):
+            raise ValueError(f"unpack: out must be contiguous float32 [{weight.k}, {weight.n}]")
+        status = self.library.sf_packed_unpack(
+            weight.data.data_ptr(),
+            weight.formats.data_ptr(),
+            weight.offsets.data_ptr(),
+            out.data_ptr(),
+            weight.k,
+            weight.n,
+            _threads(),
+        )
+        if status:
+            raise ValueError(f"unpack: packed weight with k={weight.k} rejected ({status})")
         return out
 
 
@@ -180,6 +216,13 @@ def _open(path: Path, threading: GemmThreading) -> ctypes.CDLL:
         function.restype = None
     library.sf_packed_mm.argtypes = _PACKED_ARGTYPES
     library.sf_packed_mm.restype = ctypes.c_int
+    library.sf_packed_unpack.argtypes = _UNPACK_ARGTYPES
+    library.sf_packed_unpack.restype = ctypes.c_int
+    library.sf_packed_block_bytes.argtypes = [ctypes.c_int]
+    library.sf_packed_block_bytes.restype = ctypes.c_int
+    for fmt, size in PACKED_BLOCK_BYTES.items():  # one layout, described twice: keep them one
+        if library.sf_packed_block_bytes(int(fmt)) != size:
+            raise KernelBuildError(f"{path}: {fmt.name} blocks disagree with packed_weights.py")
     library.sf_gemm_isa.restype = ctypes.c_int
     return library
 

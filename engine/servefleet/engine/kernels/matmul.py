@@ -3,26 +3,30 @@
 The model calls `mm` for its [in, out] projection weights and `linear` for the
 [out, in] lm_head, so a backend can pick a kernel per call (by row count, dtype,
 device) without the model knowing; `TORCH_MATMUL` is the default everywhere. When the
-checkpoint was quantized, the model also hands over the weight's packed form, which a
-backend may read instead of the float32 tensor (same values, a fraction of the bytes).
+checkpoint was quantized, the model hands over the weight's packed form instead of a
+float32 tensor (it keeps no float32 copy of it): the C kernels read it as it is, and
+everything else multiplies its exact float32 unpacking, so results do not depend on
+which form the model holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm
-from servefleet.engine.kernels.packed_weights import PackedWeight
+from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm, load_cpu_small_gemm
+from servefleet.engine.kernels.packed_weights import PackedWeight, unpack
 
 
 class Matmul(Protocol):
     """`mm`: x [M, K] @ w [K, N] (+ bias); `linear`: x [M, K] @ w[N, K].T.
 
-    `packed`, when given, holds the same weight as [K, N] in `packed_weights` layout.
+    The weight comes as a float32 tensor or, when the model keeps only that, as its
+    packed form ([K, N] in `packed_weights` layout, for both calls).
     """
 
     @property
@@ -31,14 +35,20 @@ class Matmul(Protocol):
     def mm(
         self,
         x: torch.Tensor,
-        weight_in_out: torch.Tensor,
+        weight_in_out: torch.Tensor | PackedWeight,
         bias: torch.Tensor | None = None,
-        packed: PackedWeight | None = None,
     ) -> torch.Tensor: ...
 
     def linear(
-        self, x: torch.Tensor, weight_out_in: torch.Tensor, packed: PackedWeight | None = None
+        self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight
     ) -> torch.Tensor: ...
+
+
+def dense_weight(packed: PackedWeight) -> torch.Tensor:
+    """The float32 W [K, N] of a packed weight: the C unpacking when it builds, else numpy
+    (the same bits either way)."""
+    kernel = load_cpu_small_gemm()
+    return unpack(packed) if kernel is None else kernel.unpack(packed)
 
 
 @dataclass(frozen=True)
@@ -50,38 +60,61 @@ class TorchMatmul:
     def mm(
         self,
         x: torch.Tensor,
-        weight_in_out: torch.Tensor,
+        weight_in_out: torch.Tensor | PackedWeight,
         bias: torch.Tensor | None = None,
-        packed: PackedWeight | None = None,
     ) -> torch.Tensor:
+        if isinstance(weight_in_out, PackedWeight):
+            weight_in_out = dense_weight(weight_in_out)
         if bias is None:
             return torch.mm(x, weight_in_out)
         return torch.addmm(bias, x, weight_in_out)
 
-    def linear(
-        self, x: torch.Tensor, weight_out_in: torch.Tensor, packed: PackedWeight | None = None
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight) -> torch.Tensor:
+        if isinstance(weight_out_in, PackedWeight):
+            return torch.mm(x, dense_weight(weight_out_in))
         return F.linear(x, weight_out_in)
 
 
 TORCH_MATMUL = TorchMatmul()
 
 
-def _fits_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int, k_dim: int) -> bool:
-    """Everything the C kernels need; anything else goes to torch (which also reports
-    shape errors in its own words)."""
+def _fits_rows(x: torch.Tensor, max_rows: int, k: int) -> bool:
     return (
         x.dim() == 2
-        and weight.dim() == 2
         and x.shape[0] <= max_rows
-        and x.shape[1] == weight.shape[k_dim]
+        and x.shape[1] == k
         and x.dtype == torch.float32
-        and weight.dtype == torch.float32
         and x.is_cpu
-        and weight.is_cpu
         and x.is_contiguous()
+    )
+
+
+def _fits_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int, k_dim: int) -> bool:
+    """Everything the dense C kernels need; anything else goes to torch (which also
+    reports shape errors in its own words)."""
+    return (
+        weight.dim() == 2
+        and _fits_rows(x, max_rows, weight.shape[k_dim])
+        and weight.dtype == torch.float32
+        and weight.is_cpu
         and weight.is_contiguous()
     )
+
+
+class UnpackScratch(threading.local):
+    """One float32 buffer per weight shape (and thread) that many-row calls unpack packed
+    weights into: unpacking into fresh memory cost ~5x the unpacking itself (page faults),
+    which made a prefill step ~70% slower than on float32 weights; reused, ~8%."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def unpacked(self, kernel: CpuSmallGemm, weight: PackedWeight) -> torch.Tensor:
+        """W [K, N] in this thread's buffer for the shape: valid until the next call."""
+        buffer = self.buffers.get((weight.k, weight.n))
+        if buffer is None:
+            buffer = self.buffers[(weight.k, weight.n)] = torch.empty(weight.k, weight.n)
+        return kernel.unpack(weight, out=buffer)
 
 
 @dataclass(frozen=True)
@@ -89,36 +122,39 @@ class SmallRowsMatmul:
     """The C kernels for calls of at most `max_rows` rows (float32, CPU, contiguous).
 
     Larger calls (prefill) and anything the kernels do not take go to torch, where
-    MKL's blocked GEMM is faster once the weights are reused across many rows. One
-    limit for both layouts: then a whole decode step of up to `max_rows` sequences runs
-    on the C kernels and every sequence's logits are bitwise independent of the batch.
-    A packed weight is read instead of the float32 one whenever it is given.
+    MKL's blocked GEMM is faster once the weights are reused across many rows (a packed
+    weight is unpacked for the call). One limit for both layouts: then a whole decode
+    step of up to `max_rows` sequences runs on the C kernels and every sequence's logits
+    are bitwise independent of the batch.
     """
 
     kernel: CpuSmallGemm
     max_rows: int
     name: str = "cpu-c"
+    scratch: UnpackScratch = field(default_factory=UnpackScratch, compare=False, repr=False)
 
     def mm(
         self,
         x: torch.Tensor,
-        weight_in_out: torch.Tensor,
+        weight_in_out: torch.Tensor | PackedWeight,
         bias: torch.Tensor | None = None,
-        packed: PackedWeight | None = None,
     ) -> torch.Tensor:
-        if not _fits_kernel(x, weight_in_out, self.max_rows, 0):
-            return TORCH_MATMUL.mm(x, weight_in_out, bias)
-        if packed is None:
+        if isinstance(weight_in_out, PackedWeight):
+            if not _fits_rows(x, self.max_rows, weight_in_out.k):
+                dense = self.scratch.unpacked(self.kernel, weight_in_out)
+                return TORCH_MATMUL.mm(x, dense, bias)
+            out = self.kernel.packed_mm_unchecked(x, weight_in_out)
+        elif _fits_kernel(x, weight_in_out, self.max_rows, 0):
             out = self.kernel.mm_unchecked(x, weight_in_out)
         else:
-            out = self.kernel.packed_mm_unchecked(x, packed)
+            return TORCH_MATMUL.mm(x, weight_in_out, bias)
         return out if bias is None else out.add_(bias)
 
-    def linear(
-        self, x: torch.Tensor, weight_out_in: torch.Tensor, packed: PackedWeight | None = None
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight) -> torch.Tensor:
+        if isinstance(weight_out_in, PackedWeight):
+            if not _fits_rows(x, self.max_rows, weight_out_in.k):
+                return torch.mm(x, self.scratch.unpacked(self.kernel, weight_out_in))
+            return self.kernel.packed_mm_unchecked(x, weight_out_in)
         if not _fits_kernel(x, weight_out_in, self.max_rows, 1):
             return TORCH_MATMUL.linear(x, weight_out_in)
-        if packed is None:
-            return self.kernel.linear_unchecked(x, weight_out_in)
-        return self.kernel.packed_mm_unchecked(x, packed)
+        return self.kernel.linear_unchecked(x, weight_out_in)

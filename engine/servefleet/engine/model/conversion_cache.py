@@ -24,13 +24,14 @@ import torch
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 
-from servefleet.engine.kernels.packed_weights import PackedWeight, packed_from_tensor
+from servefleet.engine.kernels.packed_weights import PackedWeight, packed_from_tensors
 from servefleet.engine.model.config import ModelConfig
 from servefleet.text.tokenizer import Tokenizer
 
 # Bump whenever the conversion's output changes (names, un-permutation, tokenizer build,
 # packed weights).
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
+_FORMATS_SUFFIX = ".formats"  # packed.safetensors: a weight's group formats beside its bytes
 CACHE_DIR_ENV = "SERVEFLEET_CACHE_DIR"
 _SAMPLE_BYTES = 1 << 20
 
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Checkpoint:
-    """A model's fused state dict (`fuse_hf_weights`) with everything needed to serve it."""
+    """A model's fused state dict (`fuse_hf_weights`) with everything needed to serve it;
+    the weights in `packed` are absent from `weights`."""
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
@@ -51,7 +53,6 @@ class Checkpoint:
 
 
 class PackedMeta(BaseModel):
-    bits: int
     k: int
     n: int
 
@@ -104,7 +105,9 @@ def read_entry(directory: Path) -> Checkpoint | None:
         chat_template=meta.chat_template,
         name=meta.name,
         packed={
-            name: packed_from_tensor(m.bits, m.k, m.n, packed_tensors[name])
+            name: packed_from_tensors(
+                m.k, m.n, packed_tensors[name], packed_tensors[name + _FORMATS_SUFFIX]
+            )
             for name, m in meta.packed.items()
         },
     )
@@ -119,6 +122,7 @@ def write_entry(directory: Path, source: Path, checkpoint: Checkpoint) -> None:
         save_file(weights, str(staging / "weights.safetensors"))
         if checkpoint.packed:
             packed = {k: v.data.contiguous() for k, v in checkpoint.packed.items()}
+            packed |= {k + _FORMATS_SUFFIX: v.formats for k, v in checkpoint.packed.items()}
             save_file(packed, str(staging / "packed.safetensors"))
         (staging / "config.json").write_text(checkpoint.config.model_dump_json(), "utf-8")
         checkpoint.tokenizer.save(staging)
@@ -127,7 +131,7 @@ def write_entry(directory: Path, source: Path, checkpoint: Checkpoint) -> None:
             source=str(source),
             name=checkpoint.name,
             chat_template=checkpoint.chat_template,
-            packed={k: PackedMeta(bits=v.bits, k=v.k, n=v.n) for k, v in checkpoint.packed.items()},
+            packed={k: PackedMeta(k=v.k, n=v.n) for k, v in checkpoint.packed.items()},
         )
         # meta.json last: its presence marks a complete entry.
         (staging / "meta.json").write_text(meta.model_dump_json(), "utf-8")
@@ -144,7 +148,7 @@ def write_entry(directory: Path, source: Path, checkpoint: Checkpoint) -> None:
 class ConversionProgress:
     """Progress lines for one GGUF conversion: a first line, one every `interval_s` while
     tensors are converted, a last one with the time taken. Counted in tensor steps (each
-    tensor is visited once to dequantize and once for its packed blocks)."""
+    tensor of the file once, and a packed one once more for its blocks)."""
 
     def __init__(
         self,

@@ -10,20 +10,17 @@ both GGUF and safetensors checkpoints.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from servefleet.engine.kernels.packed_weights import (
-    GGUF_BLOCK_FORMATS,
-    BlockQuantized,
-    from_gguf_blocks,
-)
+from servefleet.engine.kernels.packed_weights import BlockQuantized
 from servefleet.engine.model.config import ModelConfig
+from servefleet.engine.model.gguf_blocks import GGUF_PACKED_TYPES, from_gguf_blocks
 
 # Architectures whose GGUF converter permutes q/k for llama.cpp's rope.
 _PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
@@ -97,10 +94,13 @@ def unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def read_gguf_weights(
-    reader: GGUFReader, config: ModelConfig, on_tensor: Callable[[], None] | None = None
+    reader: GGUFReader,
+    config: ModelConfig,
+    on_tensor: Callable[[], None] | None = None,
+    skip: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
-    """Every model tensor of the file, dequantized to float32, under HF names;
-    `on_tensor` is called after each tensor of the file (progress)."""
+    """Every model tensor of the file but those named in `skip`, dequantized to float32,
+    under HF names; `on_tensor` is called after each tensor of the file (progress)."""
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     permuted = arch in _PERMUTED_ARCHITECTURES
@@ -109,7 +109,7 @@ def read_gguf_weights(
         if on_tensor is not None:
             on_tensor()
         name = hf_name(tensor.name)
-        if name is None:
+        if name is None or name in skip:
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         value = dequantize_tensor(tensor.data, tensor.tensor_type, shape)
@@ -121,34 +121,46 @@ def read_gguf_weights(
     return weights
 
 
-def read_gguf_block_quantized(
-    reader: GGUFReader, config: ModelConfig, on_tensor: Callable[[], None] | None = None
-) -> dict[str, BlockQuantized]:
-    """The 2-D tensors stored in a packable block format (Q4_0, Q4_1, Q8_0), as integers
-    and scales under HF names, with q/k rows un-permuted like `read_gguf_weights`."""
-    field = reader.fields.get("general.architecture")
-    permuted = (field.contents() if field is not None else None) in _PERMUTED_ARCHITECTURES
-    quantized: dict[str, BlockQuantized] = {}
-    for tensor in reader.tensors:
-        if on_tensor is not None:
-            on_tensor()
-        name = hf_name(tensor.name)
-        if name is None or tensor.tensor_type.name not in GGUF_BLOCK_FORMATS:
-            continue
-        if len(tensor.shape) != 2:
-            continue
+class GGUFBlocks(Mapping[str, BlockQuantized]):
+    """The 2-D tensors stored in a packable block format (`GGUF_PACKED_TYPES`), by HF
+    name, parsed when read (one at a time: the integers take a byte a weight), with q/k
+    rows un-permuted like `read_gguf_weights`."""
+
+    def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
+        field = reader.fields.get("general.architecture")
+        self._permuted = (field.contents() if field is not None else None) in (
+            _PERMUTED_ARCHITECTURES
+        )
+        self._config = config
+        self.on_tensor: Callable[[], None] | None = None  # called for each tensor parsed
+        self._tensors: dict[str, ReaderTensor] = {}
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name)
+            packable = tensor.tensor_type.name in GGUF_PACKED_TYPES and len(tensor.shape) == 2
+            if name is not None and packable:
+                self._tensors[name] = tensor
+
+    def __getitem__(self, name: str) -> BlockQuantized:
+        tensor = self._tensors[name]
+        if self.on_tensor is not None:
+            self.on_tensor()
         cols, rows = (int(d) for d in tensor.shape.tolist())
         weight = from_gguf_blocks(tensor.tensor_type.name, tensor.data, rows, cols)
         heads = None
-        if permuted and ".self_attn.q_proj." in name:
-            heads = config.num_heads
-        elif permuted and ".self_attn.k_proj." in name:
-            heads = config.num_kv_heads
+        if self._permuted and ".self_attn.q_proj." in name:
+            heads = self._config.num_heads
+        elif self._permuted and ".self_attn.k_proj." in name:
+            heads = self._config.num_kv_heads
         if heads is not None:
             order = unpermute_rope(torch.arange(rows), heads).numpy()
             weight = weight.permute_rows(order)
-        quantized[name] = weight
-    return quantized
+        return weight
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def rope_freq_factors(reader: GGUFReader) -> tuple[float, ...] | None:

@@ -2,8 +2,9 @@
 
 Shaped for few ops per layer: q/k/v are one matmul, gate/up are one matmul, q and k get
 rotated together in one pass, and the cos/sin rows are gathered once per step for every
-layer. Weights arrive in Hugging Face naming (`model.layers.N.self_attn.q_proj.weight`)
-from every loader and are fused here, so the loaders never know the module's layout.
+layer. Weights arrive fused (`weights.fuse_hf_weights`); a projection a quantized checkpoint
+stored packed is held only in that form (`PackedWeight`, 3.5-5x smaller than float32) and
+handed to the matmul backend as it is.
 """
 
 from __future__ import annotations
@@ -16,30 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from servefleet.engine.attention import AttentionMetadata, PagedAttention
-from servefleet.engine.kernels.cpu_fused_ops import (
-    CpuFusedOps,
-    DecodeLayers,
-    LayerTensors,
-    ModelShape,
-)
+from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, DecodeLayers
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode
 from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul
-from servefleet.engine.kernels.packed_weights import (
-    BlockQuantized,
-    PackedWeight,
-    PackingError,
-    concat_rows,
-    pack,
-)
-from servefleet.engine.memory import empty_on_huge_pages
+from servefleet.engine.kernels.packed_weights import PackedWeight, PackingError
 from servefleet.engine.model.config import ModelConfig
+from servefleet.engine.model.decode_program import build_decode_layers
+from servefleet.engine.model.kv_layout import KVCache
 from servefleet.engine.model.rope import rope_table
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class MissingWeightError(KeyError):
-    """A checkpoint lacks a tensor the model needs."""
+from servefleet.engine.model.weights import LM_HEAD, MissingWeightError, projection_shapes
 
 
 def _weight(*shape: int, factory: dict[str, Any], fill: float | None = None) -> nn.Parameter:
@@ -74,8 +60,14 @@ class DecoderLayer(nn.Module):
         self.gate_up_weight = _weight(hidden, 2 * config.intermediate_size, factory=factory)
         self.down_weight = _weight(config.intermediate_size, hidden, factory=factory)
         # Packed (quantized) forms of the projections, by parameter name, when the
-        # checkpoint had them: the matmul backend may read these instead (same values).
+        # checkpoint had them; the float32 parameter is then None (same values, 3.5-5x
+        # the bytes: a model never holds both).
         self.packed: dict[str, PackedWeight] = {}
+
+    def projection(self, name: str) -> torch.Tensor | PackedWeight:
+        """A projection weight in the form this layer holds it."""
+        packed = self.packed.get(name)
+        return packed if packed is not None else getattr(self, name)
 
     def forward(
         self,
@@ -88,8 +80,7 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.rms_norm(hidden, self.input_norm.shape, self.input_norm, self.eps)
-        packed = self.packed
-        qkv = self.matmul.mm(x, self.qkv_weight, self.qkv_bias, packed.get("qkv_weight"))
+        qkv = self.matmul.mm(x, self.projection("qkv_weight"), self.qkv_bias)
         qk = qkv[:, : (heads + kv_heads) * hd].view(num_tokens, heads + kv_heads, hd)
         v = qkv[:, (heads + kv_heads) * hd :].view(num_tokens, kv_heads, hd)
         half = hd // 2
@@ -99,15 +90,13 @@ class DecoderLayer(nn.Module):
             qk[:, :heads], qk[:, heads:], v, kv_cache[0], kv_cache[1], meta, self.scale
         )
         attn_out = self.matmul.mm(
-            attn.reshape(num_tokens, heads * hd), self.o_weight, self.o_bias, packed.get("o_weight")
+            attn.reshape(num_tokens, heads * hd), self.projection("o_weight"), self.o_bias
         )
         hidden = hidden + attn_out
         x = F.rms_norm(hidden, self.post_attn_norm.shape, self.post_attn_norm, self.eps)
-        gate_up = self.matmul.mm(x, self.gate_up_weight, None, packed.get("gate_up_weight"))
+        gate_up = self.matmul.mm(x, self.projection("gate_up_weight"))
         gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + self.matmul.mm(
-            F.silu(gate) * up, self.down_weight, None, packed.get("down_weight")
-        )
+        return hidden + self.matmul.mm(F.silu(gate) * up, self.projection("down_weight"))
 
     def forward_fused(
         self,
@@ -123,9 +112,8 @@ class DecoderLayer(nn.Module):
         the previous layer's output is hidden + delta; this returns its own pair."""
         num_tokens = hidden.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        packed = self.packed
         x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
-        qkv = self.matmul.mm(x, self.qkv_weight, self.qkv_bias, packed.get("qkv_weight"))
+        qkv = self.matmul.mm(x, self.projection("qkv_weight"), self.qkv_bias)
         if not qkv.is_contiguous():  # rope_kv_unchecked writes through raw pointers
             qkv = qkv.contiguous()
         ops.rope_kv_unchecked(  # the model checked the step's tensors once (forward)
@@ -135,12 +123,12 @@ class DecoderLayer(nn.Module):
         q = qkv[:, : heads * hd].view(num_tokens, heads, hd)
         attn = self.attn_impl.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
         attn_out = self.matmul.mm(
-            attn.reshape(num_tokens, heads * hd), self.o_weight, self.o_bias, packed.get("o_weight")
+            attn.reshape(num_tokens, heads * hd), self.projection("o_weight"), self.o_bias
         )
         x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
-        gate_up = self.matmul.mm(x, self.gate_up_weight, None, packed.get("gate_up_weight"))
+        gate_up = self.matmul.mm(x, self.projection("gate_up_weight"))
         act = ops.silu_mul(gate_up)
-        return hidden, self.matmul.mm(act, self.down_weight, None, packed.get("down_weight"))
+        return hidden, self.matmul.mm(act, self.projection("down_weight"))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -273,82 +261,59 @@ class LlamaForCausalLM(nn.Module):
             return None
         cached = self._decode_layers
         if cached is None or cached[0] is not kv_caches:  # the runner passes one list a run
-            cached = (kv_caches, self._build_decode_layers(ops, matmul, kernel, kv_caches))
+            layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+            program = build_decode_layers(
+                self.config, layers, kv_caches, (self.rope_cos, self.rope_sin), self.norm,
+                (ops, matmul, kernel),
+            )  # fmt: skip
+            cached = (kv_caches, program)
             self._decode_layers = cached
         return cached[1]
 
-    def _build_decode_layers(
-        self,
-        ops: CpuFusedOps,
-        matmul: SmallRowsMatmul,
-        kernel: CpuPagedDecode,
-        kv_caches: list[KVCache],
-    ) -> DecodeLayers | None:
-        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-        layers: list[LayerTensors] = []
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, DecoderLayer)
-            packed = [layer.packed.get(n) for n in names]
-            if any(p is None for p in packed):
-                return None
-            qkv, o, gate_up, down = (p for p in packed if p is not None)
-            layers.append(
-                LayerTensors(
-                    input_norm=layer.input_norm,
-                    post_norm=layer.post_attn_norm,
-                    qkv=qkv,
-                    o=o,
-                    gate_up=gate_up,
-                    down=down,
-                    qkv_bias=layer.qkv_bias,
-                    o_bias=layer.o_bias,
-                    k_cache=k_cache,
-                    v_cache=v_cache,
-                )
-            )
-        config = self.config
-        shape = ModelShape(
-            hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim, intermediate=config.intermediate_size,
-            eps=config.rms_norm_eps, scale=config.head_dim**-0.5,
-        )  # fmt: skip
-        return DecodeLayers(
-            ops, shape, layers, self.rope_cos, self.rope_sin, self.norm,
-            matmul.kernel.library, kernel.library,
-        )  # fmt: skip
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.matmul.linear(hidden, weight, self.packed_lm_head).float()
+        dense = self.embed_tokens if self.lm_head is None else self.lm_head
+        weight: torch.Tensor | PackedWeight | None = self.packed_lm_head
+        many_rows = isinstance(self.matmul, SmallRowsMatmul) and hidden.shape[0] > (
+            self.matmul.max_rows
+        )
+        if weight is None or (many_rows and dense is not None):
+            weight = dense  # a tied embedding is there anyway: no unpacking for prompt logits
+        assert weight is not None
+        return self.matmul.linear(hidden, weight).float()
 
     def attach_packed(self, packed: Mapping[str, PackedWeight]) -> None:
-        """Adopt packed forms of float32 weights (`fuse_packed_weights` names).
+        """Hold these weights packed (`fuse_packed_weights` names) and drop their float32
+        parameters (a tied embedding stays: the embedding lookup reads it).
 
         Only float32 CPU models take them: the packed kernels compute in float32, and
         they return exactly what the float32 weights give.
         """
-        if self.norm.dtype != torch.float32 or self.norm.device.type != "cpu":
-            return
-        params = dict(self.named_parameters())
+        _check_packable(self.norm.dtype, self.norm.device)
+        self._adopt_packed(packed)
+
+    def _adopt_packed(self, packed: Mapping[str, PackedWeight]) -> None:
+        shapes = projection_shapes(self.config)
         for name, weight in packed.items():
-            dense = self.embed_tokens if name == "lm_head" and self.lm_head is None else None
-            dense = dense if dense is not None else params.get(name)
-            if dense is None:
-                raise MissingWeightError(f"packed weight {name!r} has no float32 counterpart")
-            k, n = (dense.shape[1], dense.shape[0]) if name == "lm_head" else dense.shape
-            if (weight.k, weight.n) != (k, n):
+            if name not in shapes:
+                raise MissingWeightError(f"packed weight {name!r} is no projection of the model")
+            if (weight.k, weight.n) != shapes[name]:
+                k, n = shapes[name]
                 raise PackingError(
                     f"packed {name!r} is [{weight.k}, {weight.n}], the model's weight [{k}, {n}]"
                 )
-            self._decode_layers = None
-            if name == "lm_head":
+        self._decode_layers = None
+        for name, weight in packed.items():
+            if name == LM_HEAD:
                 self.packed_lm_head = weight
-            else:
-                layer_index, _, param = name.removeprefix("layers.").partition(".")
-                layer = self.layers[int(layer_index)]
-                assert isinstance(layer, DecoderLayer)
-                layer.packed[param] = weight
+                if self.lm_head is not None:
+                    self.lm_head = None
+                continue
+            layer_index, _, param = name.removeprefix("layers.").partition(".")
+            layer = self.layers[int(layer_index)]
+            assert isinstance(layer, DecoderLayer)
+            layer.packed[param] = weight
+            setattr(layer, param, None)
 
     def packed_summary(self) -> dict[str, int]:
         """Packed weights attached: how many, and their bytes."""
@@ -360,11 +325,20 @@ class LlamaForCausalLM(nn.Module):
             weights.append(self.packed_lm_head)
         return {"tensors": len(weights), "bytes": sum(w.nbytes for w in weights)}
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes the model's weights take: float parameters and packed weights."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        return {"float": dense, "packed": self.packed_summary()["bytes"]}
+
     @torch.no_grad()
     def load_weights(
-        self, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None
+        self,
+        state: Mapping[str, torch.Tensor],
+        device: torch.device | str | None = None,
+        packed: Mapping[str, PackedWeight] | None = None,
     ) -> None:
-        """Adopt a fused state dict (see `fuse_hf_weights`), converting dtype/device as needed.
+        """Adopt a fused state dict (see `fuse_hf_weights`), converting dtype/device as needed,
+        and the packed weights the state dict lacks (a float32 CPU model only).
 
         Tensors already in the right dtype and device are used as they are (no copy), so a
         memory-mapped cache file backs the parameters directly.
@@ -372,6 +346,9 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.norm.dtype
         if device is None:
             device = torch.device("cpu") if self.norm.is_meta else self.norm.device
+        if packed:
+            _check_packable(dtype, torch.device(device))
+            self._adopt_packed(packed)
         converted = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
         missing = set(self.state_dict()) - set(converted)
         if missing:
@@ -380,99 +357,6 @@ class LlamaForCausalLM(nn.Module):
         self._build_rope()
 
 
-def fuse_hf_weights(
-    config: ModelConfig, weights: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> this module's state dict (q/k/v and gate/up concatenated).
-
-    Projection weights come out transposed to [in, out] and contiguous (see DecoderLayer).
-    """
-
-    def take(name: str) -> torch.Tensor:
-        tensor = weights.get(name)
-        if tensor is None:
-            raise MissingWeightError(f"checkpoint lacks tensor {name!r}")
-        return tensor
-
-    state = {
-        "embed_tokens": take("model.embed_tokens.weight"),
-        "norm": take("model.norm.weight"),
-    }
-    if not config.tie_word_embeddings:
-        state["lm_head"] = take("lm_head.weight")
-    for index in range(config.num_layers):
-        hf = f"model.layers.{index}."
-        ours = f"layers.{index}."
-        state[ours + "input_norm"] = take(hf + "input_layernorm.weight")
-        state[ours + "post_attn_norm"] = take(hf + "post_attention_layernorm.weight")
-        state[ours + "qkv_weight"] = _in_out(
-            torch.cat([take(f"{hf}self_attn.{p}_proj.weight") for p in ("q", "k", "v")])
-        )
-        if config.attention_bias:
-            state[ours + "qkv_bias"] = torch.cat(
-                [take(f"{hf}self_attn.{p}_proj.bias") for p in ("q", "k", "v")]
-            )
-        state[ours + "o_weight"] = _in_out(take(hf + "self_attn.o_proj.weight"))
-        if config.output_bias:
-            state[ours + "o_bias"] = take(hf + "self_attn.o_proj.bias")
-        state[ours + "gate_up_weight"] = _in_out(
-            torch.cat([take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")])
-        )
-        state[ours + "down_weight"] = _in_out(take(hf + "mlp.down_proj.weight"))
-    return state
-
-
-def fuse_packed_weights(
-    config: ModelConfig, quantized: Mapping[str, BlockQuantized]
-) -> dict[str, PackedWeight]:
-    """Block-quantized HF tensors -> packed forms under this module's parameter names.
-
-    A fused projection is packed only when all its parts share one block format; the
-    lm_head ("lm_head") comes from the embedding when the two are tied.
-    """
-    packed: dict[str, PackedWeight] = {}
-
-    def add(ours: str, names: list[str]) -> None:
-        parts = [quantized.get(n) for n in names]
-        if any(p is None for p in parts):
-            return
-        fused = concat_rows([p for p in parts if p is not None])
-        if fused is not None:
-            packed[ours] = pack(fused)
-
-    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    add("lm_head", [head])
-    for index in range(config.num_layers):
-        hf = f"model.layers.{index}."
-        ours = f"layers.{index}."
-        add(ours + "qkv_weight", [f"{hf}self_attn.{p}_proj.weight" for p in ("q", "k", "v")])
-        add(ours + "o_weight", [hf + "self_attn.o_proj.weight"])
-        add(ours + "gate_up_weight", [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"])
-        add(ours + "down_weight", [hf + "mlp.down_proj.weight"])
-    return packed
-
-
-def _in_out(weight_out_in: torch.Tensor) -> torch.Tensor:
-    return weight_out_in.t().contiguous()
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
-
-
-def allocate_kv_cache(
-    config: ModelConfig,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> list[KVCache]:
-    """One allocation for the whole cache; per-layer (k, v) views of it, each contiguous."""
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    if torch.device(device).type == "cpu":  # attention reads scattered blocks: fewer TLB misses
-        storage = empty_on_huge_pages(shape, dtype).zero_()
-    else:
-        storage = torch.zeros(shape, dtype=dtype, device=device)
-    return [(storage[i, 0], storage[i, 1]) for i in range(config.num_layers)]
+def _check_packable(dtype: torch.dtype, device: torch.device) -> None:
+    if dtype != torch.float32 or device.type != "cpu":
+        raise PackingError(f"packed weights need a float32 CPU model, not {dtype} on {device}")

@@ -1,0 +1,36 @@
+"""The paged KV cache's memory: one allocation for every layer, sized per block.
+
+Kept apart from the model: the engine sizes and allocates the cache from the config alone
+(before any step), and the model only reads the per-layer views it is handed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servefleet.engine.memory import empty_on_huge_pages
+from servefleet.engine.model.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[KVCache]:
+    """One allocation for the whole cache; per-layer (k, v) views of it, each contiguous."""
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if torch.device(device).type == "cpu":  # attention reads scattered blocks: fewer TLB misses
+        storage = empty_on_huge_pages(shape, dtype).zero_()
+    else:
+        storage = torch.zeros(shape, dtype=dtype, device=device)
+    return [(storage[i, 0], storage[i, 1]) for i in range(config.num_layers)]
