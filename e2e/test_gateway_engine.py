@@ -10,6 +10,8 @@ The engines share the machine's cores, so every request asks for a handful of to
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
 import re
 import shutil
@@ -330,6 +332,64 @@ def test_least_load_routing_uses_both_replicas(fleet: Fleet) -> None:
     gained = [a - b for a, b in zip(after, before, strict=True)]
     assert sum(gained) == 6
     assert min(gained) >= 2, gained  # least outstanding work spreads a burst over both
+
+
+def _set_replicas(fleet: Fleet, endpoints: list[str], gateway: int = 0) -> None:
+    update = httpx.post(
+        fleet.gateways[gateway].internal_url + f"/internal/deployments/{DEPLOYMENT}/replicas",
+        json={"endpoints": endpoints, "ready": endpoints},
+        timeout=10,
+    )
+    assert update.status_code == 200
+
+
+def test_a_stream_survives_the_sigkill_of_its_engine(fleet: Fleet) -> None:
+    """The spare holds a greedy stream and is SIGKILLed mid-stream: the client's text equals an
+    uninterrupted run's, with one id, the whole answer's usage and no error."""
+    victim, survivor = fleet.spare, fleet.engines[1]
+    body = {"model": MODEL, "prompt": "Tell a long story about a lighthouse.", "max_tokens": 96}
+    body |= {"temperature": 0, "ignore_eos": True}
+    headers = {"authorization": "Bearer key-acme"}
+    gateway = fleet.gateways[1]  # the tests below read gateway 0's replica states
+    reference = httpx.post(survivor.url + "/v1/completions", json=body, timeout=180).json()
+    continuations = gateway_counter(
+        gateway.internal_url, "servefleet_gateway_stream_continuations_total"
+    )
+    _set_replicas(fleet, [victim.url], gateway=1)  # the stream must start on the victim
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    text, ids, usage, arrivals, killed_at = "", set(), None, [], None
+    try:
+        with httpx.stream(
+            "POST", gateway.url + "/v1/completions", json=stream, headers=headers, timeout=180
+        ) as r:
+            assert r.headers["x-servefleet-continuation"] == "exact"
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                ids.add(event["id"])
+                usage = event.get("usage") or usage
+                for choice in event["choices"]:
+                    text += choice["text"]
+                    arrivals.append(time.monotonic())
+                if killed_at is None and len(arrivals) >= 24:
+                    _set_replicas(fleet, [victim.url, survivor.url], gateway=1)
+                    victim.proc.send_signal(signal.SIGKILL)
+                    victim.proc.wait(timeout=10)
+                    killed_at = time.monotonic()
+    finally:
+        _set_replicas(fleet, [e.url for e in fleet.engines], gateway=1)
+    assert killed_at is not None, "the stream ended before the kill"
+    # Events already buffered arrive after the kill too: the stall is the longest gap.
+    gaps = sorted(b - a for a, b in itertools.pairwise(arrivals))
+    print(f"longest gap (the resume) {gaps[-1]:.3f}s, median gap {gaps[len(gaps) // 2]:.3f}s")
+    assert text == reference["choices"][0]["text"]
+    assert len(ids) == 1
+    assert usage is not None and usage["completion_tokens"] == 96
+    assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+    after = gateway_counter(gateway.internal_url, "servefleet_gateway_stream_continuations_total")
+    assert after == continuations + 1
 
 
 def test_draining_replica_gets_no_new_requests(fleet: Fleet) -> None:

@@ -1,8 +1,9 @@
 """The real model through the real engine loop: batching must not change answers.
 
 Each request's greedy output must be the same alone, among 16 concurrent
-requests of different lengths, with prefix caching on or off, and after being
-preempted; and every block must be back in the pool afterwards.
+requests of different lengths, with prefix caching on or off, after being
+preempted, and with speculative decoding; and every block must be back in the
+pool afterwards.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ TEXTS = [
     "The largest planet in the solar system is Jupiter. The smallest planet is",
 ]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+# Propose at every chance, in batches too, so verification and roll-back run often.
+EAGER_NGRAM = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+    '"disable_by_batch_size": null, "min_acceptance_rate": 0.0}'
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +66,15 @@ def alone(smollm2, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
         built.engine.stop()
 
 
-def run_concurrently(smollm2, prompts, **settings):  # type: ignore[no-untyped-def]
+def run_concurrently(smollm2, prompts, params=GREEDY, one_by_one=False, **settings):  # type: ignore[no-untyped-def]
     built = make_engine(smollm2, **settings)
     try:
 
         async def go() -> list[list[int]]:
-            out = await generate_all(built, prompts, GREEDY)
+            if one_by_one:
+                out = [await generate(built, p, params) for p in prompts]
+            else:
+                out = await generate_all(built, prompts, params)
             await wait_idle(built)
             return out
 
@@ -129,6 +138,93 @@ def test_seeded_sampling_is_reproducible_in_any_batch(smollm2, prompts) -> None:
         built.engine.stop()
     assert solo == crowd[0]
     assert solo != different
+    built.kv_cache.check_all_free()
+
+
+def test_seeded_sampling_survives_preemption(smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Counter-based draws: a preempted, recomputed sequence samples what it would have."""
+    params = SamplingParams(max_tokens=32, temperature=1.0, top_k=40, seed=77, ignore_eos=True)
+    element = torch.empty(0, dtype=resolve_kv_cache_dtype("auto", torch.float32)).element_size()
+
+    def run(**settings):  # type: ignore[no-untyped-def]
+        built = make_engine(smollm2, **settings)
+        try:
+
+            async def go() -> list[list[int]]:
+                out = await generate_all(built, prompts, params)
+                await wait_idle(built)
+                return out
+
+            return asyncio.run(go()), built
+        finally:
+            built.engine.stop()
+
+    roomy, _ = run()
+    tight, built = run(kv_cache_memory=str(30 * 16 * 30 * 2 * 3 * 64 * element))
+    assert built.engine.scheduler.num_preemptions > 0
+    assert tight == roomy
+    built.kv_cache.check_all_free()
+
+
+def accepted_tokens(built) -> float:  # type: ignore[no-untyped-def]
+    return built.engine.metrics.spec_accepted_tokens._value.get()  # type: ignore[no-any-return]
+
+
+def test_speculative_decoding_matches_alone_and_batched(smollm2, prompts, alone) -> None:  # type: ignore[no-untyped-def]
+    solo, built_solo = run_concurrently(
+        smollm2, prompts, one_by_one=True, max_num_seqs=1, speculative_config=EAGER_NGRAM
+    )
+    crowd, built_crowd = run_concurrently(
+        smollm2, prompts, max_num_batched_tokens=96, speculative_config=EAGER_NGRAM
+    )
+    assert solo == alone
+    assert crowd == alone
+    for built in (built_solo, built_crowd):
+        assert accepted_tokens(built) > 20
+        assert built.engine.metrics.spec_draft_tokens._value.get() > accepted_tokens(built)
+        built.kv_cache.check_all_free()
+
+
+def test_speculation_stops_where_a_plain_run_stops(smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Stop strings and stop ids met inside an accepted proposal end the output exactly
+    where a plain run ends it, tokens and usage alike."""
+    from servefleet.engine.loop import EngineRequest
+
+    params = SamplingParams(max_tokens=32, temperature=0.0, stop=(" the",), stop_token_ids=(13,))
+
+    def run(**settings):  # type: ignore[no-untyped-def]
+        built = make_engine(smollm2, max_num_seqs=1, **settings)
+
+        async def one(i: int, prompt: list[int]) -> tuple[list[int], int, str]:
+            tokens, usage, text = [], 0, ""
+            async for outs in built.engine.generate(EngineRequest(f"r{i}", prompt, params)):
+                for o in outs:
+                    tokens += o.token_ids
+                    usage, text = o.num_output_tokens, text + o.text
+            return tokens, usage, text
+
+        async def go() -> list[tuple[list[int], int, str]]:
+            return [await one(i, p) for i, p in enumerate(prompts)]
+
+        try:
+            return asyncio.run(go()), built
+        finally:
+            built.engine.stop()
+
+    plain, _ = run()
+    spec, built = run(speculative_config=EAGER_NGRAM)
+    assert spec == plain
+    assert all(usage == len(tokens) for tokens, usage, _ in spec)
+    assert any(usage < 32 for _, usage, _ in plain)
+    built.kv_cache.check_all_free()
+
+
+def test_seeded_speculative_decoding_matches_plain_sampling(smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=5, ignore_eos=True)
+    plain, _ = run_concurrently(smollm2, prompts[:8], params)
+    spec, built = run_concurrently(smollm2, prompts[:8], params, speculative_config=EAGER_NGRAM)
+    assert spec == plain
+    assert accepted_tokens(built) > 5
     built.kv_cache.check_all_free()
 
 

@@ -293,12 +293,12 @@ def test_two_gateways_sharing_redis_spill_no_more_than_the_cap_over_http(redis_p
 async def test_a_live_gateway_keeps_its_concurrency_slots_past_the_lease_ttl(
     redis_port: int,
 ) -> None:
-    limiter = RedisLimiter(f"redis://127.0.0.1:{redis_port}/0", lease_ttl_s=0.6)
+    limiter = RedisLimiter(f"redis://127.0.0.1:{redis_port}/0", lease_ttl_s=1.0)
     scopes = _scope(max_concurrent=1)
     try:
         held = await limiter.reserve(scopes, 1)
         assert held.admitted
-        for _ in range(4):  # four renewals over twice the TTL
+        for _ in range(8):  # renewed every 0.3 s for 2.4 s, over twice the TTL
             await asyncio.sleep(0.3)
             assert await limiter.renew_leases() == 1
         assert (await limiter.reserve(scopes, 1)).exceeded == "max_concurrent"
@@ -313,7 +313,7 @@ async def test_a_live_gateway_keeps_its_concurrency_slots_past_the_lease_ttl(
 async def test_a_dead_gateways_slots_come_back_after_the_lease_ttl(redis_port: int) -> None:
     url = f"redis://127.0.0.1:{redis_port}/0"
     scopes = _scope(max_concurrent=2)
-    dead, alive = RedisLimiter(url, lease_ttl_s=0.5), RedisLimiter(url, lease_ttl_s=0.5)
+    dead, alive = RedisLimiter(url, lease_ttl_s=0.5), RedisLimiter(url, lease_ttl_s=1.0)
     try:
         assert (await dead.reserve(scopes, 1)).admitted  # then it dies: no settle, no renewal
         await dead.close()

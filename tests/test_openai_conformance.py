@@ -433,6 +433,17 @@ def _priority(t: Target) -> None:
     refused(lambda: complete(t, extra_body={"priority": "urgent"}), "priority")
 
 
+@check("`return_token_ids`", "`resume_token_ids`")
+def _stream_resume(t: Target) -> None:
+    """The gateway's own fields for continuing a broken stream: refused from tenants."""
+    fields = {"return_token_ids": True, "resume_token_ids": [1, 2]}
+    if t.kind == "gateway":
+        for name, value in fields.items():
+            refused(lambda: complete(t, extra_body={name: value}), name)  # noqa: B023
+        return
+    assert complete(t, extra_body=fields).usage.completion_tokens == 4
+
+
 # ---- structured outputs and tools (in depth: the test files their rows name) --------------
 CHOICE_SCHEMA = {
     "type": "object",

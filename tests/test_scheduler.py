@@ -31,7 +31,7 @@ def seq(prompt: list[int], max_tokens: int = 4, t: float = 0.0, prio: int = 0) -
 
 def fake_step(s: Scheduler, out: SchedulerOutput, token: int = 9) -> list[Sequence]:
     """Pretend the model ran: every chunk that reaches the end of its tokens yields `token`."""
-    sampled = {c.seq.seq_id: token for c in out.chunks if c.samples}
+    sampled = {c.seq.seq_id: [token] for c in out.chunks if c.samples}
     return s.update(out, sampled)
 
 

@@ -288,7 +288,7 @@ def test_a_finished_grammar_finishes_the_sequence_even_ignoring_eos(cache: Gramm
         logits = torch.zeros(len(out.chunks), 49152)
         sampled = [c.seq for c in out.chunks if c.samples]
         tokens = sample(logits[: len(sampled)], sampled).token_ids
-        scheduler.update(out, {s.seq_id: t for s, t in zip(sampled, tokens, strict=True)})
+        scheduler.update(out, {s.seq_id: [t] for s, t in zip(sampled, tokens, strict=True)})
         steps += 1
         assert steps < 10
     assert seq.finish_reason is not None and seq.finish_reason.value == "stop"

@@ -172,6 +172,16 @@ class GatewayDeployment(ConfigModel):
     )
     upstream_timeout_seconds: float = Field(default=300.0, gt=0)
     connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    max_continuations: int = Field(
+        default=2,
+        ge=0,
+        description="Times a stream broken by its replica is continued on another one.",
+    )
+    exact_continuation: bool = Field(
+        default=True,
+        description="The engines resume from token ids (servefleet); false for vLLM/SGLang, "
+        "which are sent the delivered text instead (`servefleet.api.stream_resume`).",
+    )
 
     @model_validator(mode="after")
     def _spill_key(self) -> GatewayDeployment:
@@ -318,6 +328,7 @@ def render_gateway_config(
                 service=(services or {}).get(dep.name),
                 block_size=dep.spec.engine.block_size,
                 ready_path=engine_adapter(dep.spec.engine.kind).ready_path,
+                exact_continuation=dep.spec.engine.kind == "servefleet",
                 # Built-in models ship with the gateway's image too; other sources do not.
                 tokenizer=dep.spec.model.source.builtin,
                 pool=dep.spec.pool,

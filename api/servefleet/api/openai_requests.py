@@ -150,6 +150,9 @@ class SamplingRequest(_RefusesKnownFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
+    # internal to gateway and engine (`servefleet.api.stream_resume`): refused from tenants
+    return_token_ids: bool = False
+    resume_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # refused (see REFUSED_FIELDS)
     best_of: Any = None
     store: Any = None

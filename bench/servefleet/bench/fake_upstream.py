@@ -30,6 +30,7 @@ class FakeBehaviour:
     status: int = 200  # answer every completion with this status (e.g. 500, 503)
     ready: bool = True
     hang: bool = False  # accept the request and never answer (until the client leaves)
+    die_after_chunks: int | None = None  # a stream's connection is cut after this many tokens
     require_key: str | None = None
     # Simulated prefix cache (for affinity benchmarks): prefill cost per uncached token.
     prefill_s_per_token: float = 0.0
@@ -166,6 +167,10 @@ class FakeOpenAI:
         if not body.get("stream"):
             if b.token_delay_s:
                 await asyncio.sleep(b.token_delay_s * n)
+            if b.die_after_chunks is not None:  # the status line went out, the body never
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b'{"id"', "more_body": True})
+                raise ConnectionResetError("fake replica died mid-answer")
             choice: dict[str, Any] = (
                 {
                     "index": 0,
@@ -197,14 +202,22 @@ class FakeOpenAI:
             }
         )
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        for i in range(n):
+        # Token i is id i, text " tok{i}"; a resumed request (`servefleet.api.stream_resume`)
+        # goes on after the ids it was given, as our engine does.
+        start = len(body.get("resume_token_ids") or [])
+        for sent, i in enumerate(range(start, n)):
+            if b.die_after_chunks is not None and sent == b.die_after_chunks:
+                raise ConnectionResetError("fake replica died mid-stream")
             if b.token_delay_s:
                 await asyncio.sleep(b.token_delay_s)
             if chat:
-                delta = {"role": "assistant", "content": " tok"} if i == 0 else {"content": " tok"}
-                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                delta = {"content": f" tok{i}"}
+                choice = {"index": 0, "delta": delta if i else {"role": "assistant", **delta}}
+                choice["finish_reason"] = None
             else:
-                choice = {"index": 0, "text": " tok", "finish_reason": None}
+                choice = {"index": 0, "text": f" tok{i}", "finish_reason": None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [i]
             event: dict[str, Any] = {
                 "id": "fake-1",
                 "object": chunk_obj,

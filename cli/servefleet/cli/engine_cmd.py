@@ -28,7 +28,20 @@ if TYPE_CHECKING:
 API_KEY_ENV = "SERVEFLEET_API_KEY"
 
 
+# Spelled as `servefleet.api.speculative.SPECULATIVE_CONFIG_FLAG` (a test checks it); not
+# imported for the same reason as the key's env var.
+SPECULATIVE_CONFIG_FLAG = "--speculative-config"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_serving_arguments(parser)
+    _add_scheduling_arguments(parser)
+    _add_kernel_arguments(parser)
+    add_logging_arguments(parser)
+
+
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is served and where."""
     a = parser.add_argument
     a(
         "--model",
@@ -46,6 +59,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="weights dtype")
     a("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    a(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool_choice=auto reads the model's tool calls (default: chosen from the "
+        "chat template: llama3_json for Llama 3 templates, else hermes)",
+    )
+    a("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight on SIGTERM")
+    a(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without progress before /health fails",
+    )
+
+
+def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV cache, the batch and speculation."""
+    a = parser.add_argument
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")
     a(
         "--kv-cache-memory",
@@ -69,13 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="turn off the prefix cache (default: on)",
     )
-    a("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight on SIGTERM")
     a(
-        "--stall-timeout",
-        type=float,
-        default=120.0,
-        help="seconds without progress before /health fails",
+        SPECULATIVE_CONFIG_FLAG,
+        default=None,
+        help='speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(default: off)",
     )
+
+
+def _add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the model runs on this machine."""
+    a = parser.add_argument
     a(
         "--decode-kernel",
         choices=["auto", "torch", "cpu-c", "triton"],
@@ -96,14 +133,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: packed)",
     )
     a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    a(
-        "--tool-call-parser",
-        choices=["hermes", "llama3_json"],
-        default=None,
-        help="how tool_choice=auto reads the model's tool calls (default: chosen from the "
-        "chat template: llama3_json for Llama 3 templates, else hermes)",
-    )
-    add_logging_arguments(parser)
 
 
 def _settings_error(exc: ValidationError) -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from servefleet.api.quantity import parse_memory_size
+from servefleet.api.speculative import SpeculativeConfig
 
 
 class EngineSettingsError(ValueError):
@@ -59,6 +60,19 @@ class EngineConfig(BaseModel):
         repr=False,
         description="Bearer key every /v1 route requires (None: open, as vLLM without --api-key).",
     )
+
+    speculative_config: SpeculativeConfig | None = Field(
+        default=None,
+        description="Speculative decoding, vLLM's JSON (`--speculative-config`); None: off.",
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_json(cls, value: Any) -> Any:
+        """The flag's value is a JSON string; the operator's args may pass the object."""
+        if isinstance(value, str):
+            return SpeculativeConfig.model_validate_json(value)
+        return value
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -58,13 +58,22 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> bool:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached: list[KVBlock],
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
         """Reserve blocks so the next num_new_tokens can be computed; False if they don't fit.
 
         `cached` are prefix hits from find_cached_prefix (only on a sequence's first schedule).
+        `num_lookahead_tokens` reserve slots past the known tokens (speculative proposals):
+        their token ids are not the sequence's yet, so their blocks are never published.
         """
         total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached)
+        reserved = total + num_lookahead_tokens
+        num_new_blocks = self.blocks_needed(reserved) - len(seq.block_table) - len(cached)
         # Cached blocks sitting in the free queue stop being free once we touch them.
         evictable_hits = sum(1 for b in cached if b.ref_count == 0)
         if num_new_blocks > self.pool.num_free_blocks - evictable_hits:
@@ -93,6 +102,16 @@ class KVCacheManager:
         for i in range(seq.num_published_blocks, full):
             self.pool.cache_block(self.pool.blocks[seq.block_table[i]], seq.block_hashes[i])
         seq.num_published_blocks = max(seq.num_published_blocks, full)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back blocks past what the sequence's known tokens need: the tail a rejected
+        speculative proposal had reserved (its slots hold no valid KV)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        tail = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        self.pool.free(self.pool.blocks[i] for i in reversed(tail))
 
     def free(self, seq: Sequence) -> None:
         blocks = [self.pool.blocks[i] for i in reversed(seq.block_table)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +41,7 @@ class EngineRequest:
     priority: int = 0
     n: int = 1
     arrival_time: float = field(default_factory=time.monotonic)
+    resume_token_ids: list[int] = field(default_factory=list)  # already delivered (n == 1)
 
 
 @dataclass
@@ -252,16 +254,20 @@ class Engine:
 
     def _add(self, request: EngineRequest, sink: _RequestSink) -> None:
         seqs = []
+        # Every request gets a seed, so its sampled output is a pure function of (seed,
+        # prompt, delivered tokens): reproducible in any batch and resumable elsewhere.
+        base_seed = request.params.seed
+        if base_seed is None:
+            base_seed = secrets.randbits(63)
         for index in range(request.n):
-            params = request.params
-            if params.seed is not None and index:
-                params = _with_seed(params, params.seed + index)
+            params = _with_seed(request.params, base_seed + index)
             seq = Sequence(
                 prompt_token_ids=list(request.prompt_token_ids),
                 params=params,
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 request_id=request.request_id,
+                output_token_ids=list(request.resume_token_ids),
             )
             self._tracked[seq.seq_id] = _Tracked(
                 seq, index, sink, OutputProcessor(self.tokenizer, seq)
@@ -290,36 +296,47 @@ class Engine:
                 m.prefix_queries.inc(seq.num_prompt_tokens)
                 m.prefix_hits.inc(seq.num_cached_tokens)
         result = self.runner.execute(out)
-        finished = self.scheduler.update(out, result.token_by_seq_id())
+        num_before = [s.num_output_tokens for s in result.sampled_seqs]
+        self.scheduler.update(out, result.token_by_seq_id())
         now = time.monotonic()
         self.in_step_since = None
         self.metrics.step_seconds.observe(now - started)
         self.metrics.step_tokens.observe(out.num_batched_tokens)
-        self._deliver(result.sampled_seqs, result.samples.logprobs, set(map(id, finished)), now)
+        if self.scheduler.speculator is not None:
+            self.metrics.record_spec_decode(self.scheduler.speculator.take_stats())
+        self._deliver(result.sampled_seqs, num_before, result.logprobs, now)
 
     def _deliver(
         self,
         seqs: list[Sequence],
-        logprobs: list[TokenLogprobs | None],
-        finished_ids: set[int],
+        num_before: list[int],
+        logprobs: list[list[TokenLogprobs]],
         now: float,
     ) -> None:
+        """Hand each sequence's new tokens (one, or more with speculation) to its request."""
         batches: dict[_RequestSink, list[SequenceOutput]] = {}
         m = self.metrics
-        for seq, lp in zip(seqs, logprobs, strict=True):
+        for seq, before, lps in zip(seqs, num_before, logprobs, strict=True):
             tracked = self._tracked.get(seq.seq_id)
             if tracked is None:
                 continue
-            token = seq.output_token_ids[-1]
-            text, hit_stop = tracked.processor.add_token(token)
-            if hit_stop and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
+            tokens = seq.output_token_ids[before:]
+            text = ""
+            for i, token in enumerate(tokens):
+                piece, hit_stop = tracked.processor.add_token(token)
+                text += piece
+                if hit_stop:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, FinishReason.STOP)
+                    _drop_output_tail(seq, len(tokens) - i - 1)
+                    tokens = tokens[: i + 1]
+                    break
             if tracked.last_token_time is None:
                 m.ttft.observe(now - seq.arrival_time)
             else:
                 m.itl.observe(now - tracked.last_token_time)
             tracked.last_token_time = now
-            m.generation_tokens.inc()
+            m.generation_tokens.inc(len(tokens))
             done = seq.is_finished
             if done:
                 text += tracked.processor.finish()
@@ -332,8 +349,8 @@ class Engine:
             out = SequenceOutput(
                 index=tracked.index,
                 text=text,
-                token_ids=[token],
-                logprobs=[lp] if lp is not None else [],
+                token_ids=tokens,
+                logprobs=lps[: len(tokens)],
                 finished=done,
                 finish_reason=seq.finish_reason.value if done and seq.finish_reason else None,
                 num_prompt_tokens=seq.num_prompt_tokens,
@@ -367,6 +384,14 @@ class Engine:
 def _dispatch(items: list[tuple[_RequestSink, list[SequenceOutput]]]) -> None:
     for sink, outs in items:
         sink.queue.put_nowait(outs)
+
+
+def _drop_output_tail(seq: Sequence, count: int) -> None:
+    """Forget tokens a speculative step produced past a stop string (the sequence is
+    finished): usage then counts what a plain run would have."""
+    if count:
+        del seq.output_token_ids[-count:]
+        del seq.token_ids[-count:]
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

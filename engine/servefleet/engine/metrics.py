@@ -6,7 +6,12 @@ live in one test process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from servefleet.engine.spec.speculator import SpecDecodeStats
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -71,12 +76,38 @@ class EngineMetrics:
             "servefleet_engine_cold_start_seconds", "Process start to ready, in seconds."
         )
         self.draining = gauge("servefleet_engine_draining", "1 while draining after SIGTERM.")
+        # Speculative decoding, vLLM's names: acceptance rate = accepted / draft tokens,
+        # mean accepted length = 1 + accepted / drafts.
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Verified proposals.")
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Proposed tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted."
+        )
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the proposal (0-based).",
+            [*labels, "position"],
+            registry=r,
+        )
 
     def finished(self, reason: str) -> None:
         self.requests_finished.labels(model_name=self.model_name, finished_reason=reason).inc()
 
     def rejected(self, status: int) -> None:
         self.requests_rejected.labels(model_name=self.model_name, status=str(status)).inc()
+
+    def record_spec_decode(self, stats: SpecDecodeStats) -> None:
+        if not stats.num_drafts:
+            return
+        self.spec_drafts.inc(stats.num_drafts)
+        self.spec_draft_tokens.inc(stats.num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens)
+        for position, count in stats.accepted_per_position.items():
+            self.spec_accepted_per_pos.labels(
+                model_name=self.model_name, position=str(position)
+            ).inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

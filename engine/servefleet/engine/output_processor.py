@@ -19,6 +19,10 @@ class OutputProcessor:
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.emitted = 0  # characters of self.text already handed out
+        # A resumed sequence's delivered tokens went out from another replica: replay them so
+        # the held-back text and an unfinished character stand exactly where they stood there.
+        for token_id in seq.output_token_ids:
+            self.add_token(token_id)
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Feed one token; return (text to emit now, whether a stop string was hit)."""

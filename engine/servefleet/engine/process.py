@@ -28,13 +28,14 @@ from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.engine.model.config import ModelConfig
-from servefleet.engine.model.llama import allocate_kv_cache, kv_bytes_per_block
+from servefleet.engine.model.kv_layout import allocate_kv_cache, kv_bytes_per_block
 from servefleet.engine.model.loader import LoadedModel, load_model
 from servefleet.engine.runner import ModelRunner
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
 from servefleet.engine.sequence import Sequence
 from servefleet.engine.server import ServingState, build_app
+from servefleet.engine.spec.speculator import Speculator
 from servefleet.text.builtin import UnknownModelError
 from servefleet.text.chat_template import ChatTemplate
 
@@ -164,6 +165,16 @@ def serving_context_length(config: EngineConfig, model: ModelConfig) -> int:
     return length
 
 
+def build_speculator(config: EngineConfig, loaded: LoadedModel) -> Speculator | None:
+    """Proposals stay within the rows the C decode matmuls take, where a step's logits are
+    the same bits whatever its rows (so verification equals a plain step)."""
+    if config.speculative_config is None:
+        return None
+    max_rows = getattr(loaded.model.matmul, "max_rows", config.max_num_batched_tokens)
+    log.info("speculative_decoding: %s", config.speculative_config.model_dump_json())
+    return Speculator(config.speculative_config, max_rows)
+
+
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> BuiltEngine:
     """Everything but the HTTP server; `loaded` lets tests share one model between engines."""
     if config.threads:
@@ -201,6 +212,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Bui
         ),
         kv,
         loaded.tokenizer.eos_token_ids,
+        build_speculator(config, loaded),
     )
     runner = ModelRunner(loaded.model, kv_caches, config.block_size, device)
     metrics = EngineMetrics(config.name)

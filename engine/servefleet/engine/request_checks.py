@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from servefleet.api.openai_requests import SamplingRequest
 from servefleet.api.openai_wire import MAX_BODY_BYTES, RequestRejected, parse_request
+from servefleet.api.stream_resume import RESUME_TOKEN_IDS
 from servefleet.engine.protocol import OpenAIError, from_rejected
 
 if TYPE_CHECKING:
@@ -130,3 +132,28 @@ def check_lengths(
             code="kv_cache_too_small",
         )
     return max_tokens
+
+
+def resume_ids(state: ServingState, body: SamplingRequest, max_tokens: int) -> list[int]:
+    """The delivered token ids a resumed request continues after (`servefleet.api.stream_resume`).
+
+    Only the gateway sends them, and only to an engine it holds the key of (the key middleware
+    has already refused a caller without it). They must leave room for one more token.
+    """
+    ids = body.resume_token_ids or []
+    if not ids:
+        return []
+    param = RESUME_TOKEN_IDS
+    if body.n != 1:
+        raise OpenAIError(400, f"{param} needs n=1 (one choice to continue)", param=param)
+    vocab = state.tokenizer.vocab_size
+    bad = [t for t in ids if t >= vocab]
+    if bad:
+        raise OpenAIError(
+            400, f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param=param
+        )
+    if len(ids) >= max_tokens:
+        raise OpenAIError(
+            400, f"{param} holds {len(ids)} tokens, max_tokens is {max_tokens}", param=param
+        )
+    return list(ids)

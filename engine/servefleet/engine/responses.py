@@ -155,10 +155,20 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _stream_choice(
-    out: SequenceOutput, index: int, chat: bool, want_logprobs: bool, tokenizer: Tokenizer
+    out: SequenceOutput,
+    index: int,
+    chat: bool,
+    want_logprobs: bool,
+    tokenizer: Tokenizer,
+    want_token_ids: bool = False,
 ) -> dict[str, Any] | None:
-    """One sequence's part of a stream chunk; None when this step gave it nothing to send."""
-    if not out.text and not out.finished and not (want_logprobs and out.logprobs):
+    """One sequence's part of a stream chunk; None when this step gave it nothing to send.
+
+    With `return_token_ids` every step's tokens are sent, held-back text or not, so the gateway
+    knows exactly which tokens a client has (`servefleet.api.stream_resume`).
+    """
+    has_news = out.text or out.finished or (want_logprobs and out.logprobs)
+    if not has_news and not (want_token_ids and out.token_ids):
         return None
     render = _chat_logprobs if chat else _completion_logprobs
     logprobs = render(tokenizer, out.logprobs) if want_logprobs and out.logprobs else None
@@ -171,6 +181,8 @@ def _stream_choice(
         choice["delta"] = {"content": out.text} if out.text else {}
     else:
         choice["text"] = out.text
+    if want_token_ids:
+        choice["token_ids"] = out.token_ids
     return choice
 
 
@@ -269,7 +281,9 @@ def stream_response(
                         for c in stream.choices(index, o.text, o.finished, o.finish_reason):
                             yield chunk([c])
                         continue
-                    choice = _stream_choice(o, index, chat, want_logprobs, state.tokenizer)
+                    choice = _stream_choice(
+                        o, index, chat, want_logprobs, state.tokenizer, body.return_token_ids
+                    )
                     if choice is not None:
                         choices.append(choice)
                 if choices:

@@ -1,7 +1,10 @@
 """Turns a scheduled step into tensors, runs the model, samples.
 
 Decode tokens come first in the flat batch (one per sequence, batched through
-the decode kernel), prompt chunks after them (one SDPA call each).
+the decode kernel), prompt chunks after them (one SDPA call each). A decode with
+speculative proposals adds one decode row per proposal: the same block table, a
+context one longer each, so verification runs through the same decode kernels (and
+the same one-call decode program) as a plain step and its logits are the same bits.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from typing import Protocol
 import torch
 
 from servefleet.engine.attention import AttentionMetadata, PrefillSpan
-from servefleet.engine.sampler import SampleResult, sample
-from servefleet.engine.scheduler import ScheduledChunk, SchedulerOutput
+from servefleet.engine.sampler import TokenLogprobs, sample
+from servefleet.engine.scheduler import SchedulerOutput
 from servefleet.engine.sequence import Sequence
+from servefleet.engine.spec.verify import verify_drafts
 
 
 class CausalLM(Protocol):
@@ -32,10 +36,11 @@ class CausalLM(Protocol):
 @dataclass
 class StepResult:
     sampled_seqs: list[Sequence]
-    samples: SampleResult
+    token_ids: list[list[int]]  # per sampled sequence: accepted proposals + one token
+    logprobs: list[list[TokenLogprobs]]  # per sampled sequence, one per token when asked
 
-    def token_by_seq_id(self) -> dict[int, int]:
-        return {s.seq_id: t for s, t in zip(self.sampled_seqs, self.samples.token_ids, strict=True)}
+    def token_by_seq_id(self) -> dict[int, list[int]]:
+        return {s.seq_id: t for s, t in zip(self.sampled_seqs, self.token_ids, strict=True)}
 
 
 class ModelRunner:
@@ -63,38 +68,44 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        tagged: list[tuple[ScheduledChunk, bool]] = [(c, True) for c in out.decodes]
-        tagged += [(c, False) for c in out.prefills]
+        decode_tables: list[list[int]] = []
+        context_lens: list[int] = []
+        for chunk in out.decodes:
+            seq, start = chunk.seq, chunk.num_computed_before
+            rows = 1 + len(chunk.draft_token_ids)
+            if chunk.samples:  # a one-token prompt chunk short of the prompt's end does not
+                logit_rows.extend(range(len(input_ids), len(input_ids) + rows))
+            input_ids.append(seq.token_ids[start])
+            input_ids.extend(chunk.draft_token_ids)
+            positions.extend(range(start, start + rows))
+            slots.extend(self._slots(seq, start, rows))
+            decode_tables.extend([seq.block_table] * rows)
+            context_lens.extend(range(start + 1, start + rows + 1))
         prefills: list[PrefillSpan] = []
-        for chunk, is_decode in tagged:
+        for chunk in out.prefills:
             seq, start, count = chunk.seq, chunk.num_computed_before, chunk.num_new_tokens
             row0 = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + count])
             positions.extend(range(start, start + count))
             slots.extend(self._slots(seq, start, count))
-            if not is_decode:
-                table = seq.block_table[: -(-(start + count) // self.block_size)]
-                prefills.append(
-                    PrefillSpan(row0, row0 + count, start, torch.tensor(table, dtype=torch.long))
-                )
+            table = seq.block_table[: -(-(start + count) // self.block_size)]
+            prefills.append(
+                PrefillSpan(row0, row0 + count, start, torch.tensor(table, dtype=torch.long))
+            )
             if chunk.samples:
                 logit_rows.append(row0 + count - 1)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             block_size=self.block_size,
-            num_decodes=len(out.decodes),
+            num_decodes=len(decode_tables),
             prefills=prefills,
         )
-        if out.decodes:
-            width = max(len(c.seq.block_table) for c in out.decodes)
-            tables = [
-                c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in out.decodes
-            ]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
             meta.decode_context_lens = torch.tensor(
-                [c.num_computed_before + 1 for c in out.decodes],
-                dtype=torch.int32,
-                device=self.device,
+                context_lens, dtype=torch.int32, device=self.device
             )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -107,9 +118,18 @@ class ModelRunner:
             span.block_table = span.block_table.to(self.device)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)
         chunks = out.decodes + out.prefills
-        sampled = [c.seq for c in chunks if c.samples]
+        sampled = [c for c in chunks if c.samples]
         if not sampled:
-            return StepResult([], SampleResult([], []))
+            return StepResult([], [], [])
+        seqs = [c.seq for c in sampled]
         rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
-        return StepResult(sampled, sample(logits, sampled))
+        if any(c.draft_token_ids for c in sampled):
+            tokens, logprobs = verify_drafts(logits, seqs, [c.draft_token_ids for c in sampled])
+            return StepResult(seqs, tokens, logprobs)
+        result = sample(logits, seqs)
+        return StepResult(
+            seqs,
+            [[t] for t in result.token_ids],
+            [[lp] if lp is not None else [] for lp in result.logprobs],
+        )

@@ -1,18 +1,23 @@
 """Iteration-level scheduling: what runs in the next model step.
 
 `schedule()` packs the decodes of running sequences and chunks of waiting
-prompts under the token and sequence budgets; `update()` applies the step's
-sampled tokens. No tensors here: the runner turns a `SchedulerOutput` into them.
+prompts under the token and sequence budgets, then lets the speculator (if any)
+attach proposals to decodes; `update()` applies the step's sampled tokens. No
+tensors here: the runner turns a `SchedulerOutput` into them.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from servefleet.engine.spec.speculator import Speculator
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,9 @@ class ScheduledChunk:
     seq: Sequence
     num_new_tokens: int
     num_computed_before: int
+    # Speculative proposals for the positions after this decode's token: verified in the
+    # same forward pass, one row each (decodes only).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -46,7 +54,9 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_new_tokens for c in self.prefills)
+        """Rows of the forward pass: decodes with their proposals, then prompt chunks."""
+        decode_rows = sum(1 + len(c.draft_token_ids) for c in self.decodes)
+        return decode_rows + sum(c.num_new_tokens for c in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -55,11 +65,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, eos_token_ids: Iterable[int]
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        eos_token_ids: Iterable[int],
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculator = speculator
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -80,6 +95,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv_cache.free(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -143,24 +160,37 @@ class Scheduler:
 
         for chunk in scheduled:
             (out.decodes if chunk.num_new_tokens == 1 else out.prefills).append(chunk)
+        if self.speculator is not None and out.decodes:
+            self.speculator.attach_drafts(out, self.kv_cache, self.config)
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance computed counters, append sampled tokens (by seq_id); return newly finished."""
+    def update(self, out: SchedulerOutput, sampled: Mapping[int, list[int]]) -> list[Sequence]:
+        """Advance computed counters, append sampled tokens (by seq_id); return newly finished.
+
+        A decode with proposals yields the accepted proposals and one token more; its KV is
+        valid up to the last accepted proposal, so `num_computed_tokens` stops there (the
+        rejected positions are recomputed later) and the blocks reserved past the known
+        tokens go back to the pool.
+        """
         finished = []
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.is_finished:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = chunk.num_computed_before + chunk.num_new_tokens
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            seq.append_token(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
+            tokens = sampled.get(seq.seq_id, [])
+            accepted = max(len(tokens) - 1, 0)
+            seq.num_computed_tokens = chunk.num_computed_before + chunk.num_new_tokens + accepted
+            if chunk.draft_token_ids and self.speculator is not None:
+                self.speculator.record(seq, len(chunk.draft_token_ids), accepted)
+            for token in tokens:
+                seq.append_token(token)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
+            if chunk.draft_token_ids and not seq.is_finished:
+                self.kv_cache.trim(seq)
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -12,8 +12,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from servefleet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,17 +57,18 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # where a structured output stands; None: free
 
     def __post_init__(self) -> None:
-        self.token_ids: list[int] = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        # A resumed request's delivered tokens (`servefleet.api.stream_resume`) are already
+        # output: prefilled with the prompt, counted toward max_tokens, penalties and stops.
+        self.token_ids: list[int] = [*self.prompt_token_ids, *self.output_token_ids]
         if self.params.compiled_grammar is not None and self.grammar is None:
             from xgrammar import GrammarMatcher
 
             self.grammar = GrammarMatcher(self.params.compiled_grammar)
+            for token_id in self.output_token_ids:
+                self.grammar.accept_token(token_id)
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,13 @@ from servefleet.engine.api_key import ApiKeyMiddleware
 from servefleet.engine.extra_routes import add_extra_routes, model_card
 from servefleet.engine.loop import Engine, EngineDeadError, EngineRequest, SequenceOutput
 from servefleet.engine.protocol import OpenAIError, new_id, priority_value, sampling_params
-from servefleet.engine.request_checks import admit, check_lengths, parse, prompt_ids
+from servefleet.engine.request_checks import (
+    admit,
+    check_lengths,
+    parse,
+    prompt_ids,
+    resume_ids,
+)
 from servefleet.engine.responses import chat_response, completion_response, stream_response
 from servefleet.engine.structured.service import StructuredOutputs
 from servefleet.text.chat_template import ChatTemplate, ChatTemplateError
@@ -223,6 +229,7 @@ def _engine_request(
         params=replace(params, compiled_grammar=compiled_grammar),
         priority=priority_value(body),
         n=body.n,
+        resume_token_ids=resume_ids(state, body, max_tokens),
     )
 
 

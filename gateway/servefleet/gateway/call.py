@@ -16,6 +16,7 @@ from servefleet.gateway.proxy import Usage
 if TYPE_CHECKING:
     from servefleet.gateway.pool import Lease, Shed, Spill
     from servefleet.gateway.route_table import TenantRoute
+    from servefleet.gateway.stream_splice import StreamSplice
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class Call:
     replica: str | None = None  # the endpoint that answered (after a retry, the second)
     ttft_s: float | None = None
     completed: bool = False  # the whole answer reached the client
+    splice: StreamSplice | None = None  # a stream that may be continued on another replica
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""

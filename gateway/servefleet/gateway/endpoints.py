@@ -24,6 +24,7 @@ from servefleet.api.openai_requests import (
     TokenizeRequest,
 )
 from servefleet.api.openai_wire import RequestRejected, parse_request
+from servefleet.api.stream_resume import internal_fields_in
 from servefleet.gateway.errors import GatewayError, model_not_found
 from servefleet.gateway.route_table import RouteTable, TenantRoute
 
@@ -57,9 +58,15 @@ class RequestShape:
 
 def parse(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], BaseModel]:
     try:
-        return parse_request(endpoint.request_model, raw)
+        parsed, request = parse_request(endpoint.request_model, raw)
     except RequestRejected as exc:
         raise GatewayError(exc.status, exc.message, code=exc.code, param=exc.param) from None
+    internal = internal_fields_in(parsed)  # the gateway's own to send, never a tenant's
+    if internal:
+        raise GatewayError(
+            400, f"{internal[0]} is not supported by this server.", param=internal[0]
+        )
+    return parsed, request
 
 
 def shape_of(request: BaseModel) -> RequestShape:

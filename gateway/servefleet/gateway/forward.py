@@ -9,6 +9,8 @@ connection, which aborts the generation.
 
 from __future__ import annotations
 
+from typing import Any
+
 from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.gateway.asgi import JSON, Receive, Send
 from servefleet.gateway.call import Call
@@ -20,6 +22,13 @@ from servefleet.gateway.pool import DeploymentPool, Lease
 from servefleet.gateway.proxy import prepare_body
 from servefleet.gateway.relay import Relay
 from servefleet.gateway.routing import Replica
+from servefleet.gateway.stream_splice import (
+    StreamSplice,
+    continuation_body,
+    encode,
+    first_body,
+    resumable,
+)
 from servefleet.gateway.upstream import (
     UpstreamError,
     UpstreamPool,
@@ -46,9 +55,7 @@ class Forwarder:
     async def to_pool(self, call: Call, lease: Lease, send: Send, receive: Receive) -> None:
         """Relay the replica's answer; raises GatewayError when no replica could answer."""
         pool = call.route.pool
-        body = prepare_body(
-            call.raw, call.parsed, stream=call.stream, client_wants_usage=call.wants_usage
-        )
+        first, body = self._pool_body(call)
         retried = False
         while True:
             try:
@@ -76,11 +83,75 @@ class Forwarder:
             self._metrics.upstream_retries.labels(pool.model).inc()
         assert response is not None
         call.replica = lease.replica.endpoint
+        leases = [lease]
+
+        async def resume() -> UpstreamResponse | None:
+            if first is None:  # a whole answer (or a stream that cannot be continued): once
+                return None if retried or call.stream else await self._again(call, leases, body)
+            return await self._continue(call, leases, first)
+
         ok = False
         try:
-            ok = await self._relay.relay(call, response, send, receive, spill=False)
+            ok = await self._relay.relay(call, response, send, receive, spill=False, resume=resume)
         finally:
-            pool.release(lease, ok=ok)
+            pool.release(leases[-1], ok=ok)
+
+    @staticmethod
+    def _pool_body(call: Call) -> tuple[dict[str, Any] | None, bytes]:
+        """(the request as a continuation builds on it, or None: not resumable; what is sent)."""
+        config = call.route.pool.config
+        if config.max_continuations == 0 or not resumable(call.parsed, stream=call.stream):
+            body = prepare_body(
+                call.raw, call.parsed, stream=call.stream, client_wants_usage=call.wants_usage
+            )
+            return None, body
+        first = first_body(call.parsed, exact=config.exact_continuation)
+        first["stream_options"] = {**(first.get("stream_options") or {}), "include_usage": True}
+        call.splice = StreamSplice(
+            chat=call.path.endswith("/chat/completions"), exact=config.exact_continuation
+        )
+        return first, encode(first)
+
+    async def _again(self, call: Call, leases: list[Lease], body: bytes) -> UpstreamResponse | None:
+        """The whole request once more on another replica: its replica failed mid-answer."""
+        pool = call.route.pool
+        pool.eject(leases[-1].replica)
+        self._metrics.ejections.labels(pool.model).inc()
+        moved = pool.reroute(leases[-1])
+        if moved is None:
+            return None
+        leases.append(moved)
+        self._metrics.upstream_retries.labels(pool.model).inc()
+        response, _ = await self._attempt(pool, moved.replica, call.path, body)
+        if response is not None:
+            call.replica = moved.replica.endpoint
+        return response
+
+    async def _continue(
+        self, call: Call, leases: list[Lease], first: dict[str, Any] | None
+    ) -> UpstreamResponse | None:
+        """The rest of a broken stream from another replica; None when none can give it."""
+        pool, splice = call.route.pool, call.splice
+        assert first is not None and splice is not None
+        while splice.continuations < pool.config.max_continuations:
+            pool.eject(leases[-1].replica)  # it broke mid-stream: dead or stalled
+            self._metrics.ejections.labels(pool.model).inc()
+            moved = pool.reroute(leases[-1])
+            if moved is None:
+                return None
+            leases.append(moved)
+            splice.continuations += 1
+            splice.broken = False
+            self._metrics.stream_continuations.labels(pool.model).inc()
+            body = encode(continuation_body(first, splice))
+            response, _ = await self._attempt(pool, moved.replica, call.path, body)
+            if response is not None and response.status == 200:
+                call.replica = moved.replica.endpoint
+                return response
+            if response is not None:
+                response.close()  # refused (4xx): this request cannot be continued
+                return None
+        return None
 
     async def _attempt(
         self, pool: DeploymentPool, replica: Replica, path: str, body: bytes

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 SECONDS_PER_DAY = 86400
-# How long a concurrency slot survives without being settled (a gateway crashed mid-request).
+# How long an in-process concurrency slot survives without being settled. It dies with its
+# process, so it needs no renewal (the shared slots in Redis are renewed leases, `limits_lua`);
+# this only bounds a slot that a bug left unsettled in a live gateway.
 DEFAULT_LEASE_TTL_S = 900.0
 
 

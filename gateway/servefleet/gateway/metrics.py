@@ -89,6 +89,11 @@ class GatewayMetrics:
         self.upstream_retries = self._counter(
             "upstream_retries", "Requests retried on another replica.", ["model"]
         )
+        self.stream_continuations = self._counter(
+            "stream_continuations",
+            "Streams continued on another replica after theirs broke mid-stream.",
+            ["model"],
+        )
         self.ejections = self._counter(
             "replica_ejections", "Replicas ejected after a failure.", ["model"]
         )

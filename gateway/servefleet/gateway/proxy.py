@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from servefleet.gateway.stream_splice import StreamSplice
 
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null')
 
@@ -43,11 +46,12 @@ def _usage(usage: Any) -> Usage | None:
 class SseRelay:
     """Splits an upstream SSE byte stream into whole events and notes usage as it passes."""
 
-    __slots__ = ("_buffer", "_strip_usage", "done", "events", "usage")
+    __slots__ = ("_buffer", "_splice", "_strip_usage", "done", "events", "usage")
 
-    def __init__(self, *, strip_usage: bool) -> None:
+    def __init__(self, *, strip_usage: bool, splice: StreamSplice | None = None) -> None:
         self._buffer = b""
         self._strip_usage = strip_usage
+        self._splice = splice  # a resumable stream: every event is rewritten (`stream_splice`)
         self.usage: Usage | None = None
         self.events = 0  # data events seen (a stand-in for tokens when usage never comes)
         self.done = False
@@ -60,23 +64,49 @@ class SseRelay:
             self._buffer = data
             return b""
         ready, self._buffer = data[: cut + 2], data[cut + 2 :]
-        if b'"usage"' not in ready and b"[DONE]" not in ready:
+        if self._splice is None and b'"usage"' not in ready and b"[DONE]" not in ready:
             self.events += ready.count(b"data:")
             return ready
         kept: list[bytes] = []
         for event in ready.split(b"\n\n")[:-1]:
-            if self._keep(event):
-                kept.append(event + b"\n\n")
+            out = self._keep(event)
+            if out is not None:
+                kept.append(out + b"\n\n")
         return b"".join(kept)
 
     def flush(self) -> bytes:
         rest, self._buffer = self._buffer, b""
         return rest
 
-    def _keep(self, event: bytes) -> bool:
+    def restart(self) -> None:
+        """A continuation follows: a half-received event of the broken replica is dropped."""
+        self._buffer = b""
+
+    def _keep(self, event: bytes) -> bytes | None:
+        """The event to forward (rewritten for a spliced stream), or None to drop it."""
         if b"[DONE]" in event:
             self.done = True
-            return True
+            return event
+        if self._splice is not None:
+            event = self._spliced(event, self._splice)
+            if not event:
+                return None
+        return event if self._keep_plain(event) else None
+
+    @staticmethod
+    def _spliced(event: bytes, splice: StreamSplice) -> bytes:
+        try:
+            obj = json.loads(event.split(b"data:", 1)[-1])
+        except ValueError:
+            return event
+        if not isinstance(obj, dict):
+            return event
+        rewritten = splice.rewrite(obj)
+        if rewritten is None:
+            return b""
+        return b"data: " + json.dumps(rewritten, separators=(",", ":")).encode()
+
+    def _keep_plain(self, event: bytes) -> bool:
         self.events += 1
         if b'"usage"' not in event or _USAGE_NULL.search(event):
             return True

@@ -10,8 +10,10 @@ they happen.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+from servefleet.api.stream_resume import CONTINUATION_HEADER
 from servefleet.gateway.asgi import JSON, Headers, Receive, Send, respond
 from servefleet.gateway.call import Call
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
@@ -23,23 +25,37 @@ from servefleet.gateway.upstream import UpstreamError, UpstreamResponse, Upstrea
 ROUTE_POOL = b"pool"
 ROUTE_SPILL = b"spillover"
 
+_DONE, _LEFT, _BROKEN = "done", "left", "broken"  # how one replica's stream ended
+
+Resume = Callable[[], Awaitable[UpstreamResponse | None]]
+
 
 class Relay:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
 
     async def relay(
-        self, call: Call, response: UpstreamResponse, send: Send, receive: Receive, *, spill: bool
+        self,
+        call: Call,
+        response: UpstreamResponse,
+        send: Send,
+        receive: Receive,
+        *,
+        spill: bool,
+        resume: Resume | None = None,
     ) -> bool:
-        """Send the upstream response to the client; True when it completed."""
+        """Send the upstream response to the client; True when it completed.
+
+        A stream whose replica breaks is continued with `resume` when given (`stream_splice`).
+        """
         headers = [
             (b"content-type", response.header(b"content-type") or JSON),
             (b"x-servefleet-route", ROUTE_SPILL if spill else ROUTE_POOL),
             *call.rl_headers,
         ]
         if response.status != 200 or not call.stream:
-            return await self._whole(call, response, send, receive, headers, spill=spill)
-        return await self._stream(call, response, send, receive, headers, spill=spill)
+            return await self._whole(call, response, send, receive, headers, spill, resume)
+        return await self._stream(call, response, send, receive, headers, spill, resume)
 
     async def _whole(
         self,
@@ -48,9 +64,10 @@ class Relay:
         send: Send,
         receive: Receive,
         headers: Headers,
-        *,
         spill: bool,
+        resume: Resume | None,
     ) -> bool:
+        """A whole answer; a replica failing while answering is asked of another (`resume`)."""
         m = call.route.metrics
         status = response.status
         try:
@@ -60,6 +77,9 @@ class Relay:
             return False  # nothing was delivered, so nothing is charged
         except UpstreamError as exc:
             response.close()
+            retry = await resume() if resume is not None and status == 200 else None
+            if retry is not None:  # nothing reached the client yet: the whole answer again
+                return await self._whole(call, retry, send, receive, headers, spill, None)
             m.outcome["upstream_error"].inc()
             code = 504 if isinstance(exc, UpstreamTimeout) else 502
             await respond(
@@ -86,14 +106,54 @@ class Relay:
         send: Send,
         receive: Receive,
         headers: Headers,
-        *,
         spill: bool,
+        resume: Resume | None,
     ) -> bool:
         headers.append((b"cache-control", b"no-cache"))
+        if call.splice is not None:
+            mode = b"exact" if call.splice.exact else b"text"
+            headers.append((CONTINUATION_HEADER.encode(), mode))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        relay = SseRelay(strip_usage=not call.wants_usage)
+        relay = SseRelay(strip_usage=not call.wants_usage, splice=call.splice)
         gone = asyncio.ensure_future(receive())
-        completed = left = False
+        current: UpstreamResponse | None = response
+        outcome = _BROKEN
+        try:
+            while current is not None:
+                outcome = await self._pump(call, current, relay, send, gone, spill)
+                current.close()
+                if outcome != _BROKEN or resume is None:
+                    break
+                relay.restart()
+                current = await resume()  # the next replica, or None: no continuation
+        finally:
+            gone.cancel()
+            if current is not None:
+                current.close()
+        completed, left = outcome == _DONE, outcome == _LEFT
+        tail = relay.flush()
+        if outcome == _BROKEN:
+            tail += sse_error_event("The upstream failed mid-stream.", "upstream_error")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        call.used = relay.usage
+        call.events = relay.events
+        if completed:
+            _count_ok(call, spill)
+        else:
+            call.route.metrics.outcome["client_closed" if left else "upstream_error"].inc()
+        return completed
+
+    async def _pump(
+        self,
+        call: Call,
+        response: UpstreamResponse,
+        relay: SseRelay,
+        send: Send,
+        gone: asyncio.Future[Any],
+        spill: bool,
+    ) -> str:
+        """Relay one replica's stream: _DONE, _LEFT (the client) or _BROKEN (the replica)."""
+        splice = call.splice
         try:
             async for chunk in response.iter_chunks():
                 out = relay.feed(chunk)
@@ -103,27 +163,12 @@ class Relay:
                         self._observe_ttft(call, spill)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 if gone.done():
-                    left = True
-                    break  # the client left: closing the upstream aborts the generation
-            else:
-                completed = relay.done
-        except UpstreamError as exc:
-            what = "timed out" if isinstance(exc, UpstreamTimeout) else "failed"
-            event = sse_error_event(f"The upstream {what} mid-stream.", "upstream_error")
-            await send(
-                {"type": "http.response.body", "body": relay.flush() + event, "more_body": True}
-            )
-        finally:
-            gone.cancel()
-            response.close()
-        await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
-        call.used = relay.usage
-        call.events = relay.events
-        if completed:
-            _count_ok(call, spill)
-        else:
-            call.route.metrics.outcome["client_closed" if left else "upstream_error"].inc()
-        return completed
+                    return _LEFT  # closing the upstream aborts the generation
+                if splice is not None and splice.broken:
+                    return _BROKEN
+        except UpstreamError:
+            return _BROKEN  # reset, or no byte for `upstream_timeout_seconds`
+        return _DONE if relay.done else _BROKEN
 
     def _observe_ttft(self, call: Call, spill: bool) -> None:
         ttft = self._clock() - call.started

@@ -1,0 +1,49 @@
+"""`--speculative-config`: one JSON object, spelled as vLLM spells it.
+
+The same flag and keys work for our engine and vLLM's (`method`, `num_speculative_tokens`,
+`prompt_lookup_max`, `prompt_lookup_min`, `disable_by_batch_size`), so a deployment can
+switch engines without rewriting it. `min_acceptance_rate` is ours: the per-request switch
+of the adaptive policy (see the engine's `spec/` package).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SPECULATIVE_CONFIG_FLAG = "--speculative-config"
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = Field(
+        description="ngram: prompt lookup, proposals copied from the sequence's own tokens."
+    )
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Tokens proposed per step.")
+    prompt_lookup_max: int = Field(
+        default=4, ge=1, description="Longest suffix n-gram looked up in the earlier tokens."
+    )
+    prompt_lookup_min: int = Field(
+        default=2, ge=1, description="Shortest suffix n-gram worth a proposal."
+    )
+    disable_by_batch_size: int | None = Field(
+        default=4,
+        ge=1,
+        description="No speculation in a step with more running sequences than this: the "
+        "weights are read once per step anyway, so extra rows are not free there.",
+    )
+    min_acceptance_rate: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="A request whose measured acceptance falls below this stops proposing "
+        "(it retries after a cool-down, as its text may turn repetitive later).",
+    )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> Self:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self

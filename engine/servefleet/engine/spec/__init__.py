@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram proposals verified in the target's own forward pass."""
