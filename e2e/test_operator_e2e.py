@@ -305,6 +305,17 @@ INVALID = [
         "awq, gptq and fp8 need engine.kind vllm or sglang",
     ),
     (
+        "speculative-on-sglang",
+        {
+            "model": VLLM_ON_URL,
+            "engine": {
+                "kind": "sglang",
+                "speculative": {"method": "ngram", "numSpeculativeTokens": 4},
+            },
+        },
+        "engine.speculative needs engine.kind servefleet or vllm",
+    ),
+    (
         "toleration-typo",
         {"scheduling": {"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}},
         'unknown field "spec.scheduling.tolerations[0].efect"',

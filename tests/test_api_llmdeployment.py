@@ -60,6 +60,9 @@ def test_python_names_are_accepted_too() -> None:
     assert dep.spec.pool.min_replicas == 0
 
 
+NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
+
+
 @pytest.mark.parametrize(
     ("spec_changes", "message"),
     [
@@ -145,6 +148,29 @@ def test_python_names_are_accepted_too() -> None:
             "awq, gptq and fp8 need engine.kind vllm or sglang",
         ),
         ({"engine": {"maxModelLen": 8}}, "greater than or equal to 16"),
+        (
+            {
+                "model": {"name": "m", "source": {"url": "https://x/m"}},
+                "engine": {"kind": "sglang", "speculative": NGRAM},
+            },
+            "engine.speculative needs engine.kind servefleet or vllm",
+        ),
+        (
+            {
+                "model": {"name": "m", "source": {"url": "https://x/m"}},
+                "engine": {"kind": "vllm", "speculative": {**NGRAM, "minAcceptanceRate": 0.2}},
+            },
+            "minAcceptanceRate is read by engine.kind servefleet only",
+        ),
+        (
+            {"engine": {"speculative": {**NGRAM, "promptLookupMin": 6}}},
+            "promptLookupMin must not exceed promptLookupMax",
+        ),
+        ({"engine": {"speculative": {**NGRAM, "method": "eagle"}}}, "Input should be 'ngram'"),
+        (
+            {"engine": {"speculative": {**NGRAM, "numSpeculativeTokens": 0}}},
+            "greater than or equal",
+        ),
         ({"scheduling": {"tolerations": [{"key": "k", "efect": "NoSchedule"}]}}, "efect"),
         ({"scheduling": {"tolerations": [{"operator": "Maybe"}]}}, "'Exists' or 'Equal'"),
         ({"scheduling": {"priorityClassName": "Not_A_Name"}}, "should match pattern"),

@@ -11,6 +11,7 @@ and where the weights are (`--model`: resolved per environment).
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import pytest
@@ -34,6 +35,11 @@ SPECS: dict[str, dict[str, Any]] = {
     "kv-cache-fraction": {"engine": {"kvCacheMemory": "0.5"}},
     "no-prefix-caching": {"engine": {"prefixCaching": False, "maxNumBatchedTokens": 256}},
     "extra-args": {"engine": {"args": ["--max-model-len", "2048"], "dtype": "bfloat16"}},
+    "speculative": {
+        "engine": {
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 3, "minAcceptanceRate": 0.2}
+        }
+    },
 }
 
 
@@ -114,3 +120,23 @@ def test_our_engine_reads_every_flag_the_adapter_writes(extra: dict[str, Any]) -
     assert config.enable_prefix_caching == engine.prefix_caching
     if engine.kv_cache_memory is not None:
         assert parse_memory_size(config.kv_cache_memory) == engine.kv_cache_size()
+    wanted = engine.speculative and engine.speculative.to_config()
+    assert config.speculative_config == wanted
+
+
+def test_vllm_gets_the_same_speculative_json_without_our_keys() -> None:
+    """vLLM refuses unknown keys, so our adaptive knob stays out of its object."""
+    speculative = {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMax": 5}
+    spec = {"model": {"name": "m", "source": {"url": "https://x/m"}}, "engine": {"kind": "vllm"}}
+    spec["engine"]["speculative"] = speculative  # type: ignore[index]
+    dep = LLMDeployment.model_validate({"metadata": {"name": "m", "namespace": "ns"}, "spec": spec})
+    adapter = ENGINE_ADAPTERS["vllm"]
+    args = adapter.args(dep.spec, "/models/m", adapter.pod_listen())
+    assert json.loads(flag_value(args, "--speculative-config")) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 5,
+    }
+    assert "--speculative-config" not in ENGINE_ADAPTERS["sglang"].args(
+        deployment({}).spec, "/m", adapter.pod_listen()
+    )

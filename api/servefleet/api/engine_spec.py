@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from servefleet.api.api_model import QUANTITY, ApiModel, Quantity, SecretKeyRef, cel_rule
 from servefleet.api.quantity import MemorySize, parse_memory_size
+from servefleet.api.speculative_spec import SpeculativeSpec
 
 EngineKind = Literal["servefleet", "vllm", "sglang"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -73,6 +74,10 @@ _CEL_GPUS = (
     "has(self.resources.requests) && 'nvidia.com/gpu' in self.resources.requests ? "
     "int(string(self.resources.requests['nvidia.com/gpu'])) : 0)"
 )
+SPECULATIVE_KIND_MESSAGE = "engine.speculative needs engine.kind servefleet or vllm"
+SPECULATIVE_OURS_MESSAGE = (
+    "engine.speculative.minAcceptanceRate is read by engine.kind servefleet only"
+)
 TP_GPUS_MESSAGE = (
     "engine.tensorParallelSize must not exceed the GPUs of one replica "
     "(engine.resources.limits['nvidia.com/gpu'])"
@@ -97,6 +102,15 @@ class EngineSpec(ApiModel):
                 cel_rule(
                     f"self.tensorParallelSize <= 1 || self.tensorParallelSize <= {_CEL_GPUS}",
                     TP_GPUS_MESSAGE,
+                ),
+                cel_rule(
+                    "self.kind != 'sglang' || !has(self.speculative)",
+                    SPECULATIVE_KIND_MESSAGE,
+                ),
+                cel_rule(
+                    "self.kind == 'servefleet' || !has(self.speculative) "
+                    "|| !has(self.speculative.minAcceptanceRate)",
+                    SPECULATIVE_OURS_MESSAGE,
                 ),
             ]
         }
@@ -164,6 +178,10 @@ class EngineSpec(ApiModel):
         description="Context length cap in tokens, prompt plus completion (engine default: "
         "the model's).",
     )
+    speculative: SpeculativeSpec | None = Field(
+        default=None,
+        description="Speculative decoding (servefleet and vllm: --speculative-config); unset: off.",
+    )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="Key engine pods require from callers (the gateway sends it); unset: the "
@@ -195,4 +213,13 @@ class EngineSpec(ApiModel):
             raise ValueError("engine.kind servefleet supports dtype auto, float32 or bfloat16")
         if self.tensor_parallel_size > max(1, self.resources.gpus()):
             raise ValueError(TP_GPUS_MESSAGE)
+        if self.speculative is not None and self.kind == "sglang":
+            raise ValueError(SPECULATIVE_KIND_MESSAGE)
+        speculative = self.speculative
+        if (
+            speculative
+            and speculative.min_acceptance_rate is not None
+            and self.kind != "servefleet"
+        ):
+            raise ValueError(SPECULATIVE_OURS_MESSAGE)
         return self

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from servefleet.api.llmdeployment import VLLM_QUANTIZATIONS, EngineKind, LLMDeploymentSpec
+from servefleet.api.speculative import SPECULATIVE_CONFIG_FLAG
 
 LISTEN_ALL = "0.0.0.0"
 """The host a pod's engine binds: every interface, as probes and the Service reach it."""
@@ -122,7 +123,16 @@ def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) 
     flags += _when_set(("--max-num-batched-tokens", engine.max_num_batched_tokens))
     if not engine.prefix_caching:
         flags.append("--no-prefix-caching")
+    flags += _speculative(spec, ours=True)
     return flags + _when_set(("--max-model-len", engine.max_model_len))
+
+
+def _speculative(spec: LLMDeploymentSpec, *, ours: bool) -> list[str]:
+    """servefleet and vLLM read the same JSON; only ours knows its adaptive keys."""
+    speculative = spec.engine.speculative
+    if speculative is None:
+        return []
+    return [SPECULATIVE_CONFIG_FLAG, speculative.flag_value(ours=ours)]
 
 
 def _quantization(spec: LLMDeploymentSpec) -> list[str]:
@@ -147,7 +157,7 @@ def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> lis
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
     )
     flags += _when_set(("--max-model-len", engine.max_model_len))
-    return flags + _quantization(spec)
+    return flags + _speculative(spec, ours=False) + _quantization(spec)
 
 
 def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
