@@ -154,10 +154,33 @@ def test_prompt_and_input_lists() -> None:
     body = validate(CompletionRequest, {"model": "m", "prompt": ["a", "b"]})
     assert body.prompts() == ["a", "b"]
     assert validate(CompletionRequest, {"model": "m", "prompt": [1, 2]}).prompts() == [[1, 2]]
-    for empty in ([], [[]]):
+    empties: tuple[list[Any], ...] = ([], [[]])
+    for empty in empties:
         with pytest.raises(RequestRejected):
             validate(EmbeddingRequest, {"model": "m", "input": empty})
     assert validate(EmbeddingRequest, {"model": "m", "input": [[1], [2, 3]]}).inputs() == [
         [1],
         [2, 3],
     ]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        rb'{"model": "m", "prompt": "a\ud800b"}',
+        rb'{"model": "m", "prompt": ["ok", "\uDFFF"]}',
+        rb'{"model": "m", "prompt": "x", "logit_bias": {"\udc00": 1}}',
+    ],
+)
+def test_a_lone_surrogate_is_a_400_not_a_tokenizer_crash(raw: bytes) -> None:
+    # json.loads keeps an unpaired surrogate; tokenizers and str.encode() then raise (a 500).
+    with pytest.raises(RequestRejected) as caught:
+        parse_request(CompletionRequest, raw)
+    assert caught.value.status == 400 and caught.value.code == "invalid_unicode"
+    assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_paired_surrogates_and_escaped_backslashes_are_text() -> None:
+    raw = rb'{"model": "m", "prompt": "smile \ud83d\ude00 and a literal \\ud800"}'
+    _, request = parse_request(CompletionRequest, raw)
+    assert request.prompt == "smile \U0001f600 and a literal \\ud800"

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from servefleet.api.llmdeployment import VLLM_QUANTIZATIONS, EngineKind, LLMDeploymentSpec
+from servefleet.api.load_quantization import LOAD_QUANTIZATIONS, QUANTIZATION_FLAG
 from servefleet.api.speculative import SPECULATIVE_CONFIG_FLAG
 
 LISTEN_ALL = "0.0.0.0"
@@ -124,6 +125,8 @@ def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) 
     if not engine.prefix_caching:
         flags.append("--no-prefix-caching")
     flags += _speculative(spec, ours=True)
+    if spec.model.quantization in LOAD_QUANTIZATIONS:  # quantized at load; others: as stored
+        flags += [QUANTIZATION_FLAG, spec.model.quantization]
     return flags + _when_set(("--max-model-len", engine.max_model_len))
 
 

@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
 from servefleet.api.engine_spec import Dtype, EngineKind, EngineSpec, EnvVar, ResourceRequirements
+from servefleet.api.load_quantization import LOAD_QUANTIZATIONS, LoadQuantization
 from servefleet.api.model_source import (
     HostPathModelCache,
     HuggingFaceSource,
@@ -55,12 +56,15 @@ MAX_NAME_LENGTH = 40
 # --------------------------------------------------------------------------- model
 
 
-Quantization = Literal["none", "q4_0", "q4_1", "q8_0", "awq", "gptq", "fp8"]
+Quantization = Literal["none", "q4_0", "q4_1", "q8_0", "awq", "gptq", "fp8", LoadQuantization]
 VLLM_QUANTIZATIONS = ("awq", "gptq", "fp8")
 """Quantizations vLLM and SGLang load (passed as --quantization); GGUF files carry their own."""
 QUANTIZATION_MESSAGE = (
     "model.quantization awq, gptq and fp8 need engine.kind vllm or sglang "
-    "(servefleet reads the quantization a GGUF file carries)"
+    "(servefleet reads the quantization its checkpoint carries: GGUF types, AWQ/GPTQ config.json)"
+)
+LOAD_QUANTIZATION_MESSAGE = (
+    "model.quantization int8 and int4 (quantized at load) need engine.kind servefleet"
 )
 
 
@@ -84,7 +88,8 @@ class ModelSpec(ApiModel):
     quantization: Quantization = Field(
         default="none",
         description="Weight quantization: awq, gptq and fp8 are passed to vLLM/SGLang as "
-        "--quantization; 'none' and the GGUF kinds load weights as stored (GGUF carries its own).",
+        "--quantization; int8 and int4 make servefleet quantize float weights at load; "
+        "'none' and the GGUF kinds load weights as stored (GGUF carries its own).",
     )
 
     @model_validator(mode="after")
@@ -196,6 +201,11 @@ class LLMDeploymentSpec(ApiModel):
                     "!(self.model.quantization in ['awq', 'gptq', 'fp8'])",
                     QUANTIZATION_MESSAGE,
                 ),
+                cel_rule(
+                    "self.engine.kind == 'servefleet' || "
+                    "!(self.model.quantization in ['int8', 'int4'])",
+                    LOAD_QUANTIZATION_MESSAGE,
+                ),
             ]
         }
     )
@@ -246,6 +256,8 @@ class LLMDeploymentSpec(ApiModel):
             raise ValueError("model.source.builtin models run only on engine.kind servefleet")
         if self.engine.kind == "servefleet" and self.model.quantization in VLLM_QUANTIZATIONS:
             raise ValueError(QUANTIZATION_MESSAGE)
+        if self.engine.kind != "servefleet" and self.model.quantization in LOAD_QUANTIZATIONS:
+            raise ValueError(LOAD_QUANTIZATION_MESSAGE)
         return self
 
     def desired_replicas(self) -> int:

@@ -2,7 +2,9 @@
 
 Hostile bodies are stopped before the JSON parser sees them: a body over `MAX_BODY_BYTES` is a
 413 and one nested deeper than `MAX_JSON_DEPTH` a 400 (the parser would otherwise recurse
-until it fails with a 500). Request headers over `MAX_HEADER_BYTES` are a 431 (`HeaderLimit`).
+until it fails with a 500); after it, a string with an unpaired UTF-16 surrogate escape is a
+400 (Python's parser keeps it, and tokenizers fail on it). Request headers over
+`MAX_HEADER_BYTES` are a 431 (`HeaderLimit`).
 Every refusal has OpenAI's error shape and names the offending parameter.
 """
 
@@ -27,6 +29,8 @@ _JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 _STEP = bytes.maketrans(b"[]{}", b"\x02\x00\x02\x00")
 _CHUNK = 1 << 16
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+# A `\uD800`-`\uDFFF` escape: only bodies holding one are checked for an unpaired surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class RequestRejected(Exception):
@@ -97,7 +101,22 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         raise RequestRejected(400, message) from None
     if not isinstance(data, dict):
         raise RequestRejected(400, "The request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise RequestRejected(
+            400, "The request body holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF), "
+            "which is not a Unicode character.", code="invalid_unicode",
+        )  # fmt: skip
     return data
+
+
+def _has_lone_surrogate(data: dict[str, Any]) -> bool:
+    """True when a string (or key) holds a surrogate JSON paired with nothing: Python's parser
+    keeps it, and it would fail later, in a tokenizer or an encode (a 500, not a 400)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def describe(exc: ValidationError) -> tuple[str, str | None]:

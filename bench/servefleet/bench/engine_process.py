@@ -40,9 +40,12 @@ class EngineProcess:
         ready_timeout_s: float = 900.0,
         env: dict[str, str] | None = None,
         command: list[str] | None = None,
+        ready_path: str = "/ready",
     ) -> None:
-        """`command` replaces `servefleet engine` (tests use a stand-in server)."""
+        """`command` replaces `servefleet engine` (tests use a stand-in server); `ready_path`
+        answers 200 once the server serves (another server may name it differently)."""
         self.host = host
+        self.ready_path = ready_path
         self.port = free_port(host)
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
@@ -62,6 +65,10 @@ class EngineProcess:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def __enter__(self) -> EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +102,7 @@ class EngineProcess:
                         f"engine exited with status {self._proc.returncode}:\n{self.log_tail()}"
                     )
                 try:
-                    if http.get(f"{self.base_url}/ready").status_code == 200:
+                    if http.get(f"{self.base_url}{self.ready_path}").status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass

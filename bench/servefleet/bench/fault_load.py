@@ -44,6 +44,7 @@ class RequestRecord:
     usage_completion_tokens: int | None = None
     text: str = ""
     detail: str = ""
+    number: int = 0  # which request of the run (its prompt), to compare with a reference
 
 
 @dataclass
@@ -53,6 +54,8 @@ class RequestSpec:
     prompt: str = "Count from one to twenty in words."
     max_tokens: int = 16
     temperature: float = 0.0
+    seed: int | None = None  # the client's own seed (sampled output it can reproduce)
+    prompts: int | None = None  # distinct prompts cycled through (None: one per request)
     leave_after_tokens: int | None = None  # disconnect after this many content chunks
     read_delay_s: float = 0.0  # a slow reader: pause between chunks
     deadline_s: float = 120.0
@@ -60,7 +63,9 @@ class RequestSpec:
     def body(self, number: int) -> dict[str, Any]:
         """Request `number` of a run: its own prompt, as users' prompts differ (a retry sends
         the same body again, which is how a gateway can know it for one)."""
-        return {
+        if self.prompts:
+            number %= self.prompts
+        body: dict[str, Any] = {
             "model": MODEL,
             "messages": [{"role": "user", "content": f"{self.prompt} (request {number})"}],
             "max_tokens": self.max_tokens,
@@ -68,6 +73,9 @@ class RequestSpec:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.seed is not None:
+            body["seed"] = self.seed
+        return body
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -115,7 +123,9 @@ async def send(
     client: httpx.AsyncClient, url: str, tenant: str, spec: RequestSpec, number: int = 0
 ) -> RequestRecord:
     """One streamed request, classified; never raises for what the server does."""
-    record = RequestRecord(tenant=tenant, outcome=Outcome.FAILED, started=time.monotonic())
+    record = RequestRecord(
+        tenant=tenant, outcome=Outcome.FAILED, started=time.monotonic(), number=number
+    )
     headers = {"authorization": f"Bearer {api_key(tenant)}"}
     try:
         async with asyncio.timeout(spec.deadline_s):

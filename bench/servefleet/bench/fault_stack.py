@@ -166,6 +166,24 @@ class Stack:
         log = self.workdir / f"engine-{index}.log"
         return Part(f"engine-{index}", argv, f"http://127.0.0.1:{port}", log)
 
+    def spare_engine(self, index: int) -> Part:
+        """A new engine on a port of its own, neither started nor in `engines` yet: a scale-up
+        or a rolling update adds it once it is ready."""
+        return self._engine_part(index)
+
+    def publish_engines(self) -> None:
+        """Give every live gateway the replica list `engines` now holds, as the local plane does
+        when its replica set changes; the config file follows, so a restarted gateway agrees."""
+        config = self.gateway_config()
+        (self.workdir / "gateway.json").write_text(
+            config.model_dump_json(by_alias=True, exclude_none=True)
+        )
+        update = {"endpoints": [e.url for e in self.engines]}
+        for gateway in self.gateways:
+            if gateway.alive():
+                url = f"{gateway.internal_url}/internal/deployments/{DEPLOYMENT}/replicas"
+                httpx.post(url, json=update, timeout=10).raise_for_status()
+
     def _gateway_part(self, index: int, config: Path) -> Part:
         port, internal = free_port(), free_port()
         argv = [*servefleet_command(), "gateway", "--config", str(config), "--port", str(port)]

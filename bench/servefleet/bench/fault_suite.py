@@ -19,6 +19,7 @@ from pathlib import Path
 
 from servefleet.bench.fault_clients import client_disconnect, overload, slow_clients
 from servefleet.bench.fault_common import Scale, ScenarioResult
+from servefleet.bench.fault_engines import engine_kill, rolling_update, scale_down_drain
 from servefleet.bench.fault_processes import engine_drain, gateway_kill, redis_outage
 from servefleet.bench.fault_soak import soak
 from servefleet.bench.fault_stack import Stack, StackShape
@@ -30,6 +31,9 @@ SCENARIOS: dict[str, Scenario] = {
     "redis_outage": redis_outage,
     "gateway_kill": gateway_kill,
     "engine_drain": engine_drain,
+    "engine_kill": engine_kill,
+    "scale_down_drain": scale_down_drain,
+    "rolling_update": rolling_update,
     "overload": overload,
     "soak": soak,
 }

@@ -1,4 +1,7 @@
-"""Memory and decode speed of one model stored as float32, Q8_0, Q4_K and Q4_K_M GGUF.
+"""Memory and decode speed of one model stored as float32, Q8_0, Q4_K and Q4_K_M GGUF,
+and as float32 quantized at load (`--quantization int8`, `int4`: these read every page
+of the memory-mapped float32 cache, which stays mapped, so their RSS counts it too;
+`weight_bytes` is what the model holds).
 
 The same synthetic model (`quant_models`: random weights, nothing downloaded) is written in
 each format and loaded the way `servefleet engine` loads it (`process.load_for`: packed
@@ -31,6 +34,8 @@ import numpy as np
 from servefleet.bench.quant_models import SCHEMES, LlamaShape, write_llama_gguf
 
 FORMATS = ("F32", "Q8_0", "Q4_K", "Q4_K_M")
+# Rows that load the float32 file quantized at load: row name -> --quantization.
+LOAD_QUANTIZED = {"F32+int8": "int8", "F32+int4": "int4"}
 PROMPT_TOKENS = 64
 STEPS = {1: 64, 16: 32}  # decode steps timed, by concurrency
 BLOCK = 16
@@ -46,7 +51,7 @@ def _rss_mb() -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1e3, int(fields["VmHWM"].split()[0]) / 1e3
 
 
-def measure(path: Path) -> dict[str, object]:
+def measure(path: Path, quantization: str | None = None) -> dict[str, object]:
     """Load `path` as the engine does and time greedy decoding (run in a child process)."""
     from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
@@ -57,7 +62,9 @@ def measure(path: Path) -> dict[str, object]:
     from servefleet.engine.process import load_for
 
     t0 = time.perf_counter()
-    loaded = load_for(EngineConfig(model=str(path)))
+    loaded = load_for(
+        EngineConfig.model_validate({"model": str(path), "quantization": quantization})
+    )
     load_s = time.perf_counter() - t0
     rss_loaded, _ = _rss_mb()
     result: dict[str, object] = {
@@ -73,8 +80,9 @@ def measure(path: Path) -> dict[str, object]:
     return result
 
 
-def decode_seconds(model: object, concurrency: int, steps: int) -> float:
-    """Prefill `concurrency` prompts, then time `steps` batched greedy decode steps."""
+def decode_seconds(model: object, concurrency: int, steps: int, kv_dtype: str = "float32") -> float:
+    """Prefill `concurrency` prompts, then time `steps` batched greedy decode steps
+    (over a paged KV cache of `kv_dtype`, a torch dtype name)."""
     import torch
 
     from servefleet.engine.attention import AttentionMetadata, PrefillSpan
@@ -83,7 +91,8 @@ def decode_seconds(model: object, concurrency: int, steps: int) -> float:
 
     assert isinstance(model, LlamaForCausalLM)
     per_seq = -(-(PROMPT_TOKENS + steps) // BLOCK)
-    kv = allocate_kv_cache(model.config, concurrency * per_seq, BLOCK, torch.float32, "cpu")
+    dtype = getattr(torch, kv_dtype)
+    kv = allocate_kv_cache(model.config, concurrency * per_seq, BLOCK, dtype, "cpu")
     tables = torch.arange(concurrency * per_seq).view(concurrency, per_seq)
     generator = torch.Generator().manual_seed(0)  # the same prompts for every format
     prompts = torch.randint(
@@ -117,9 +126,10 @@ def decode_seconds(model: object, concurrency: int, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def run_child(path: Path, cache: Path) -> dict[str, object]:
+def run_child(path: Path, cache: Path, quantization: str | None = None) -> dict[str, object]:
     env = {**os.environ, "SERVEFLEET_CACHE_DIR": str(cache)}
     command = [sys.executable, "-m", "servefleet.bench.quant_formats", "--measure", str(path)]
+    command += ["--quantization", quantization] if quantization else []
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"measuring {path.name} failed:\n{done.stderr[-3000:]}")
@@ -140,6 +150,9 @@ def run(layers: int, out: Path) -> dict[str, object]:
                 "file_mb": round(path.stat().st_size / 1e6, 1),
                 "cold_load_s": cold["load_s"],
             }
+            if name == "F32":  # the same warm float32 file, quantized at every start
+                for row, quantization in LOAD_QUANTIZED.items():
+                    results[row] = run_child(path, cache, quantization)
             path.unlink()
     base = results["F32"]
     summary = {
@@ -191,7 +204,7 @@ def plot(results: dict[str, dict[str, object]], path: Path) -> None:
         ax.set_title(title)
         if labels:
             ax.legend()
-    fig.suptitle("one model, four GGUF formats (same prompts, same run)")
+    fig.suptitle("one model: GGUF formats and float32 quantized at load (same prompts, same run)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -202,9 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("bench/results/quant_formats"))
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child's job
+    parser.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure is not None:
-        print(json.dumps(measure(args.measure)))
+        print(json.dumps(measure(args.measure, args.quantization)))
         return
     print(json.dumps(run(args.layers, args.out)["vs_float32"]))
 

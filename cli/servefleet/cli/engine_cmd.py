@@ -32,6 +32,13 @@ API_KEY_ENV = "SERVEFLEET_API_KEY"
 # imported for the same reason as the key's env var.
 SPECULATIVE_CONFIG_FLAG = "--speculative-config"
 
+# `servefleet.api.kv_cache.KV_CACHE_DTYPES` (a test checks it); not imported, as above.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+
+# Spelled as `servefleet.api.load_quantization` (a test checks it); not imported, as above.
+QUANTIZATION_FLAG = "--quantization"
+LOAD_QUANTIZATIONS = ("int8", "int4")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_serving_arguments(parser)
@@ -81,15 +88,17 @@ def _add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, default=16, help="tokens per KV-cache block")
     a(
         "--kv-cache-memory",
-        default="1GiB",
-        help="KV-cache bytes (2GiB, 512MB) or a fraction of free memory (0.3)",
+        default="384MiB",
+        help="most KV-cache bytes (2GiB, 512MB) or a fraction of free memory (0.3); the cache "
+        "reserves only what max-num-seqs x max-model-len needs when that is less",
     )
     a(
         "--kv-cache-dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="auto: the model's dtype; float16 halves what decode attention reads, but greedy "
-        "outputs may then differ in the last tokens between batch compositions",
+        "outputs may then differ in the last tokens between batch compositions; int8 stores "
+        "quantized keys and values (3.76x the tokens of float32; not with the Triton kernel)",
     )
     a("--max-num-seqs", type=int, default=64, help="sequences running at once")
     a("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
@@ -131,6 +140,13 @@ def _add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="decode matmuls read float32 weights, not the checkpoint's 4/8-bit blocks "
         "(default: packed)",
+    )
+    a(
+        QUANTIZATION_FLAG,
+        choices=LOAD_QUANTIZATIONS,
+        default=None,
+        help="quantize a float checkpoint's projections at load to packed int8 or int4 blocks "
+        "(CPU, float32; default: weights as stored)",
     )
     a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from servefleet.engine.kv_quant import widen, write_rows
+
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
@@ -53,14 +55,15 @@ def torch_paged_decode(
 ) -> torch.Tensor:
     """Reference decode attention: gathers each sequence's blocks, then SDPA.
 
-    q: [D, H, hd]; caches: [num_blocks, block_size, kvh, hd]; returns [D, H, hd].
+    q: [D, H, hd]; caches: [num_blocks, block_size, kvh, hd] (int8: hd + 4, see kv_quant);
+    returns [D, H, hd].
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.long()
     max_len = tables.shape[1] * block_size
-    k = k_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    k = widen(k_cache[tables]).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = widen(v_cache[tables]).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(max_len, device=q.device)
     visible = positions[None, :] < context_lens.to(q.device)[:, None].long()
     group = num_heads // num_kv_heads
@@ -84,9 +87,10 @@ def prefill_attention(
     num_tokens, num_heads = q.shape[0], q.shape[1]
     num_kv_heads = k_cache.shape[2]
     context = span.num_cached + num_tokens
-    dtype = torch.promote_types(q.dtype, k_cache.dtype)
-    k = k_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(dtype)
-    v = v_cache[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(dtype)
+    k = widen(k_cache[span.block_table].flatten(0, 1)[:context]).transpose(0, 1)
+    v = widen(v_cache[span.block_table].flatten(0, 1)[:context]).transpose(0, 1)
+    dtype = torch.promote_types(q.dtype, k.dtype)
+    k, v = k.to(dtype), v.to(dtype)
     qh = q.transpose(0, 1).to(dtype)
     gqa = num_heads != num_kv_heads
     if span.num_cached == 0:
@@ -116,9 +120,8 @@ class PagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """q: [T, H, hd], k/v: [T, kvh, hd]; caches [num_blocks, block_size, kvh, hd]."""
-        kvh, hd = k.shape[1], k.shape[2]
-        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        write_rows(k_cache, meta.slot_mapping, k)
+        write_rows(v_cache, meta.slot_mapping, v)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
     def attend(

@@ -1,4 +1,5 @@
-"""The API beyond generation: one model's card, /version, /tokenize, /detokenize, embeddings.
+"""The API beyond generation: one model's card, /version, /tokenize, /detokenize, embeddings,
+and the OpenAPI document of them all (`servefleet.api.openapi_doc`).
 
 Shapes follow OpenAI (`GET /v1/models/{id}`, `POST /v1/embeddings`) and vLLM (`/version`,
 `/tokenize`, `/detokenize`), so clients written for either work unchanged. Bodies are the
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 
 from servefleet.api.openai_requests import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from servefleet.api.openai_version import version_body
+from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
 from servefleet.engine.embedder import embed
 from servefleet.engine.protocol import OpenAIError, usage
 from servefleet.engine.request_checks import admit, model_not_found, parse, prompt_ids
@@ -72,6 +74,17 @@ def add_extra_routes(app: FastAPI, state: ServingState) -> None:
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     _add_embeddings_route(app, state)
+    _add_openapi_route(app, state)
+
+
+def _add_openapi_route(app: FastAPI, state: ServingState) -> None:
+    """The engine routes every documented path; /v1 needs the key only with --api-key."""
+    keyed = [p for p in OPERATIONS if p.startswith("/v1/")] if state.api_key else []
+    document = openapi_document("servefleet engine", OPERATIONS, keyed)
+
+    @app.get(OPENAPI_PATH)
+    async def openapi() -> dict[str, Any]:
+        return document
 
 
 def _add_embeddings_route(app: FastAPI, state: ServingState) -> None:

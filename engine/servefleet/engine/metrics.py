@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from servefleet.api.kv_cache import KV_CACHE_BYTES_PER_TOKEN_METRIC, KV_CACHE_DTYPE_LABEL
+
 if TYPE_CHECKING:
     from servefleet.engine.spec.speculator import SpecDecodeStats
 
@@ -72,6 +74,13 @@ class EngineMetrics:
             registry=r,
         )
         self.kv_blocks_total = gauge("servefleet_engine_kv_cache_blocks", "KV-cache blocks.")
+        # Blocks x block size x this = the cache's bytes; its label says how tokens are stored.
+        self.kv_bytes_per_token = Gauge(
+            KV_CACHE_BYTES_PER_TOKEN_METRIC,
+            "KV-cache bytes per token over all layers (keys, values, int8 scales), by dtype.",
+            [*labels, KV_CACHE_DTYPE_LABEL],
+            registry=r,
+        )
         self.cold_start = gauge(
             "servefleet_engine_cold_start_seconds", "Process start to ready, in seconds."
         )
@@ -91,6 +100,11 @@ class EngineMetrics:
             [*labels, "position"],
             registry=r,
         )
+
+    def set_kv_cache_layout(self, cache_dtype: str, bytes_per_token: int) -> None:
+        self.kv_bytes_per_token.labels(
+            **{"model_name": self.model_name, KV_CACHE_DTYPE_LABEL: cache_dtype}
+        ).set(bytes_per_token)
 
     def finished(self, reason: str) -> None:
         self.requests_finished.labels(model_name=self.model_name, finished_reason=reason).inc()

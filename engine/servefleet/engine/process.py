@@ -24,6 +24,8 @@ from servefleet.engine.kernels import (
     select_fused_ops,
     select_matmul,
 )
+from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode
+from servefleet.engine.kv_budget import MIN_BLOCKS, kv_cache_blocks
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
 from servefleet.engine.metrics import EngineMetrics
@@ -35,6 +37,7 @@ from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
 from servefleet.engine.sequence import Sequence
 from servefleet.engine.server import ServingState, build_app
+from servefleet.engine.spec.draft_setup import build_draft_proposer
 from servefleet.engine.spec.speculator import Speculator
 from servefleet.text.builtin import UnknownModelError
 from servefleet.text.chat_template import ChatTemplate
@@ -66,7 +69,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -78,6 +86,15 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     ones, so greedy outputs would no longer be the same alone and in a batch.
     """
     return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+
+
+def check_kv_cache_dtype(dtype: torch.dtype, loaded: LoadedModel) -> None:
+    """int8 rows carry their scale inline (kv_quant); the Triton kernel does not read them."""
+    if dtype == torch.int8 and loaded.model.attn_impl.decode_kernel is triton_paged_decode:
+        raise EngineSettingsError(
+            "--kv-cache-dtype int8 is not supported by the triton decode kernel; "
+            "use --decode-kernel torch (or cpu-c on CPU)"
+        )
 
 
 def kv_cache_bytes(setting: str, device: torch.device) -> int:
@@ -122,6 +139,7 @@ def load_for(config: EngineConfig) -> LoadedModel:
         attn_impl=PagedAttention(kernel),
         max_positions=config.max_model_len,
         packed_weights=config.packed_weights and matmul.name != "torch",
+        quantization=config.quantization,
     )
     loaded.model.set_matmul(matmul)
     # The fused ops go with the C matmuls: --matmul torch keeps the model all-PyTorch.
@@ -165,31 +183,57 @@ def serving_context_length(config: EngineConfig, model: ModelConfig) -> int:
     return length
 
 
-def build_speculator(config: EngineConfig, loaded: LoadedModel) -> Speculator | None:
+def build_speculator(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    kv_cache: tuple[int, torch.dtype],
+    draft: LoadedModel | None = None,
+) -> Speculator | None:
     """Proposals stay within the rows the C decode matmuls take, where a step's logits are
-    the same bits whatever its rows (so verification equals a plain step)."""
-    if config.speculative_config is None:
+    the same bits whatever its rows (so verification equals a plain step). `kv_cache`:
+    the target's block count and dtype, which a draft model's own cache takes too."""
+    spec = config.speculative_config
+    if spec is None:
         return None
     max_rows = getattr(loaded.model.matmul, "max_rows", config.max_num_batched_tokens)
-    log.info("speculative_decoding: %s", config.speculative_config.model_dump_json())
-    return Speculator(config.speculative_config, max_rows)
+    log.info("speculative_decoding: %s", spec.model_dump_json())
+    if spec.method != "draft_model" or spec.model is None:
+        return Speculator(spec, max_rows)
+    draft = draft or load_for(config.model_copy(update={"model": spec.model}))
+    proposer = build_draft_proposer(draft, loaded, kv_cache[0], config.block_size, kv_cache[1])
+    return Speculator(spec, max_rows, proposer)
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> BuiltEngine:
-    """Everything but the HTTP server; `loaded` lets tests share one model between engines."""
+def build_engine(
+    config: EngineConfig, loaded: LoadedModel | None = None, draft: LoadedModel | None = None
+) -> BuiltEngine:
+    """Everything but the HTTP server; `loaded` (and `draft`, a draft model for
+    speculative decoding) let tests share one model between engines."""
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = loaded or load_for(config)
     device = next(loaded.model.parameters()).device
     dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
+    check_kv_cache_dtype(dtype, loaded)
     max_model_len = serving_context_length(config, loaded.config)
     per_block = kv_bytes_per_block(loaded.config, config.block_size, dtype)
     budget = kv_cache_bytes(config.kv_cache_memory, device)
-    num_blocks = budget // per_block
-    if num_blocks < 2:
+    if budget // per_block < MIN_BLOCKS:
         raise EngineSettingsError(
             f"--kv-cache-memory {config.kv_cache_memory} gives {budget} bytes, less than two "
             f"blocks of {per_block} bytes"
+        )
+    num_blocks = kv_cache_blocks(
+        budget, per_block, config.block_size, config.max_num_seqs, max_model_len
+    )
+    if num_blocks < budget // per_block:
+        log.info(
+            "kv_cache_sized: max_num_seqs=%d x max_model_len=%d need %d blocks, under the "
+            "--kv-cache-memory budget of %d bytes",
+            config.max_num_seqs,
+            max_model_len,
+            num_blocks,
+            budget,
         )
     kv_caches = allocate_kv_cache(loaded.config, num_blocks, config.block_size, dtype, device)
     log.info(
@@ -212,10 +256,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Bui
         ),
         kv,
         loaded.tokenizer.eos_token_ids,
-        build_speculator(config, loaded),
+        build_speculator(config, loaded, (num_blocks, dtype), draft),
     )
     runner = ModelRunner(loaded.model, kv_caches, config.block_size, device)
     metrics = EngineMetrics(config.name)
+    metrics.set_kv_cache_layout(str(dtype).removeprefix("torch."), per_block // config.block_size)
     engine = Engine(
         scheduler, runner, loaded.tokenizer, metrics, stall_timeout=config.stall_timeout
     )

@@ -108,7 +108,9 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 
 
 def build_app(state: ServingState) -> FastAPI:
-    app = FastAPI(title="servefleet engine", docs_url=None, redoc_url=None)
+    # openapi_url=None: FastAPI's own document would miss the bodies (handlers read raw
+    # requests); extra_routes serves the one built from the request models.
+    app = FastAPI(title="servefleet engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
     if state.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.api_key)

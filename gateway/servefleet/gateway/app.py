@@ -18,6 +18,7 @@ from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.openai_version import version_body
 from servefleet.api.openai_wire import headers_too_large, send_header_error
+from servefleet.api.openapi_doc import OPENAPI_PATH, openapi_document
 from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
@@ -42,6 +43,16 @@ from servefleet.gateway.route_table import (
 )
 from servefleet.gateway.upstream import UpstreamPool
 from servefleet.kube import KubeAccess
+
+# The tenant port's paths (/metrics is the internal port's); forwarded paths and models need a key.
+_KEYED_PATHS = [*ENDPOINTS, "/v1/models", "/v1/models/{model}"]
+_OPENAPI = json.dumps(
+    openapi_document(
+        "servefleet gateway",
+        [*_KEYED_PATHS, "/version", "/health", "/ready", OPENAPI_PATH],
+        _KEYED_PATHS,
+    )
+).encode()
 
 
 class Gateway:
@@ -227,6 +238,8 @@ class Gateway:
             await respond(send, 200, json.dumps(version_body()).encode())
         elif method == "GET" and path == "/health":
             await respond(send, 200, b'{"status":"ok"}')
+        elif method == "GET" and path == OPENAPI_PATH:
+            await respond(send, 200, _OPENAPI)
         elif method == "GET" and path == "/ready":
             if self._ready:
                 await respond(send, 200, b'{"status":"ready"}')

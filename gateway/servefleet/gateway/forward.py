@@ -19,6 +19,7 @@ from servefleet.gateway.errors import GatewayError
 from servefleet.gateway.limit_headers import retry_after
 from servefleet.gateway.metrics import GatewayMetrics
 from servefleet.gateway.pool import DeploymentPool, Lease
+from servefleet.gateway.pool_resume import others_ready, reroute_waiting
 from servefleet.gateway.proxy import prepare_body
 from servefleet.gateway.relay import Relay
 from servefleet.gateway.routing import Replica
@@ -70,8 +71,18 @@ class Forwarder:
             if failure.status != 503:
                 pool.eject(lease.replica)
                 self._metrics.ejections.labels(pool.model).inc()
-            moved = None if retried else pool.reroute(lease)
+            try:
+                moved = (
+                    None
+                    if retried
+                    else await unless_client_leaves(self._move(pool, lease), receive)
+                )
+            except ClientGone:  # left while waiting for another replica's slot
+                pool.release(lease, ok=False)
+                return
             if moved is None:
+                if not retried and others_ready(pool, lease.replica):
+                    failure = _all_busy(pool)  # waited out: a refusal, not a failure
                 pool.release(lease, ok=False)
                 call.route.metrics.outcome[
                     "503" if failure.status == 503 else "upstream_error"
@@ -97,6 +108,12 @@ class Forwarder:
             pool.release(leases[-1], ok=ok)
 
     @staticmethod
+    async def _move(pool: DeploymentPool, lease: Lease) -> Lease | None:
+        """Another replica for a request whose replica failed before a byte: a free slot, else
+        the next one the busy replicas free, within maxQueueWait (a queued request's bound)."""
+        return await reroute_waiting(pool, lease, pool.config.admission.max_queue_wait)
+
+    @staticmethod
     def _pool_body(call: Call) -> tuple[dict[str, Any] | None, bytes]:
         """(the request as a continuation builds on it, or None: not resumable; what is sent)."""
         config = call.route.pool.config
@@ -117,7 +134,7 @@ class Forwarder:
         pool = call.route.pool
         pool.eject(leases[-1].replica)
         self._metrics.ejections.labels(pool.model).inc()
-        moved = pool.reroute(leases[-1])
+        moved = await reroute_waiting(pool, leases[-1], pool.config.upstream_timeout_seconds)
         if moved is None:
             return None
         leases.append(moved)
@@ -136,7 +153,10 @@ class Forwarder:
         while splice.continuations < pool.config.max_continuations:
             pool.eject(leases[-1].replica)  # it broke mid-stream: dead or stalled
             self._metrics.ejections.labels(pool.model).inc()
-            moved = pool.reroute(leases[-1])
+            # Every other replica busy: wait for a slot rather than cut the client's answer, as
+            # long as a replica may stay silent mid-stream.
+            wait_s = pool.config.upstream_timeout_seconds
+            moved = await reroute_waiting(pool, leases[-1], wait_s)
             if moved is None:
                 return None
             leases.append(moved)
@@ -223,6 +243,16 @@ class Forwarder:
             call.route.metrics.outcome["upstream_error"].inc()
             raise _spill_error(exc, rl) from None
         await self._relay.relay(call, response, send, receive, spill=True)
+
+
+def _all_busy(pool: DeploymentPool) -> GatewayError:
+    return GatewayError(
+        503,
+        "The model replica failed and every other one stayed busy.",
+        type="server_overloaded",
+        code="overloaded",
+        headers={"retry-after": retry_after(pool.service_time.value)},
+    )
 
 
 def _spill_error(exc: UpstreamError, headers: dict[str, str]) -> GatewayError:

@@ -19,6 +19,7 @@ from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, Tena
 from servefleet.api.gateway_stats import DeploymentStats, GatewayReplicaStats, ReplicaHealth
 from servefleet.gateway.admission import Action, AdmissionOutcome, PoolView, SpillRule, decide
 from servefleet.gateway.measurements import Ewma, LatencyWindow, RateWindow
+from servefleet.gateway.pool_resume import ResumeWaiters
 from servefleet.gateway.pool_types import Lease, PoolRequest, Shed, Spill
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
 from servefleet.gateway.retry_promises import RetryPromises
@@ -70,6 +71,7 @@ class DeploymentPool:
         self.queue_waits = LatencyWindow()
         self.ttfts = LatencyWindow()
         self.promises = RetryPromises()
+        self.resuming = ResumeWaiters()
         spill = config.spillover
         # Replaced by a Redis-shared budget when the gateway has Redis (see spill_budget).
         self.spill_budget: SpillBudget | None = (
@@ -310,7 +312,9 @@ class DeploymentPool:
         return (self.seconds_until_ready(now) or 0.0) + ahead / max(per_replica, 1e-6)
 
     def pump(self) -> None:
-        """Hand free slots to queued requests, in queue order."""
+        """Hand free slots to broken streams waiting (`pool_resume`), then to queued requests."""
+        if self.resuming:
+            self.resuming.serve(self.lease_elsewhere)
         queue = self.queue
         if not len(queue):
             return
@@ -332,11 +336,17 @@ class DeploymentPool:
     # -- after dispatch -------------------------------------------------------------------
     def reroute(self, lease: Lease) -> Lease | None:
         """Move a request that got no byte yet to another replica (the one retry)."""
+        moved = self.lease_elsewhere(lease)
+        if moved is not None:
+            self.release(lease, ok=False)
+        return moved
+
+    def lease_elsewhere(self, lease: Lease) -> Lease | None:
+        """A slot for `lease`'s request on another replica, if one is free now."""
         now = self._clock()
         other = self.replicas.pick(None, now, slack=0, exclude=lease.replica)
         if other is None:
             return None
-        self.release(lease, ok=False)
         moved = self._lease(other, lease.tokens, now)
         moved.batch = lease.batch
         self.in_flight_batch += lease.batch

@@ -42,7 +42,7 @@
 
 typedef struct {
     const float *q;             /* [D, H, hd], float32 */
-    const void *k_cache;        /* [NB, BS, kvh, hd], float32, bf16 or fp16 */
+    const void *k_cache;        /* [NB, BS, kvh, hd] float32/bf16/fp16, or int8 [.., hd + 4] */
     const void *v_cache;
     const int32_t *block_tables; /* [D, max_blocks] */
     const int32_t *context_lens; /* [D] */
@@ -55,6 +55,8 @@ typedef struct {
 #define SF_CACHE_F32 0
 #define SF_CACHE_BF16 1
 #define SF_CACHE_F16 2
+#define SF_CACHE_I8 3 /* hd int8 values, then the row's float32 scale (kv_quant.py) */
+#define SF_I8_SCALE_BYTES 4
 
 #include "sf_exp.h" /* sf_exp_nonpos */
 
@@ -155,6 +157,18 @@ static inline void sf_widen_rows_f16(const uint16_t *src, int64_t stride, int64_
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + d))));
 #endif
         for (; d < hd; d++) dst[t * hd + d] = sf_half_to_float(row[d]);
+    }
+}
+
+/* Widen `n` int8 rows (stride in bytes) to a dense float32 [n][hd] buffer: each row's
+ * values times the float32 scale stored right after them. */
+static inline void sf_widen_rows_i8(const int8_t *src, int64_t stride, int64_t n, int64_t hd,
+                                    float *restrict dst) {
+    for (int64_t t = 0; t < n; t++) {
+        const int8_t *row = src + t * stride;
+        float scale;
+        memcpy(&scale, row + hd, sizeof scale);
+        for (int64_t d = 0; d < hd; d++) dst[t * hd + d] = (float)row[d] * scale;
     }
 }
 
@@ -266,16 +280,19 @@ static inline __attribute__((always_inline)) int sf_attend_one(
     float *work) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     const int64_t bs = a->block_size;
-    const int64_t row_stride = a->num_kv_heads * hd; /* elements between tokens of a block */
-    const int64_t block_stride = bs * row_stride;
+    /* Bytes of one (token, kv head) row, then between tokens of a block, then blocks. */
+    const int64_t head_bytes =
+        kind == SF_CACHE_I8 ? hd + SF_I8_SCALE_BYTES : hd * (kind == SF_CACHE_F32 ? 4 : 2);
+    const int64_t row_bytes = a->num_kv_heads * head_bytes;
+    const int64_t block_bytes = bs * row_bytes;
     const int64_t len = a->context_lens[seq];
     if (len < 1 || len > a->max_blocks * bs) return SF_ERR_CONTEXT_LEN;
 
     float *qs = work;                          /* [group, hd]   scaled queries */
     float *acc = qs + group * hd;              /* [group, hd]   unnormalised output */
     float *scores = acc + group * hd;          /* [group, SF_CHUNK] */
-    float *kbuf = scores + group * SF_CHUNK;   /* [SF_CHUNK, hd] widened 16-bit keys */
-    float *vbuf = kbuf + SF_CHUNK * hd;        /* [SF_CHUNK, hd] widened 16-bit values */
+    float *kbuf = scores + group * SF_CHUNK;   /* [SF_CHUNK, hd] widened 16/8-bit keys */
+    float *vbuf = kbuf + SF_CHUNK * hd;        /* [SF_CHUNK, hd] widened 16/8-bit values */
     float run_max[group], run_sum[group], alpha[group];
 
     const float *q = a->q + (seq * a->num_heads + kv_head * group) * hd;
@@ -289,9 +306,8 @@ static inline __attribute__((always_inline)) int sf_attend_one(
     }
 
     const int32_t *table = a->block_tables + seq * a->max_blocks;
-    const int64_t elem = kind == SF_CACHE_F32 ? 4 : 2;
-    const char *kbase = (const char *)a->k_cache + kv_head * hd * elem;
-    const char *vbase = (const char *)a->v_cache + kv_head * hd * elem;
+    const char *kbase = (const char *)a->k_cache + kv_head * head_bytes;
+    const char *vbase = (const char *)a->v_cache + kv_head * head_bytes;
     const int64_t num_table_blocks = (len + bs - 1) / bs;
 
     for (int64_t b = 0; b < num_table_blocks; b++) {
@@ -301,38 +317,42 @@ static inline __attribute__((always_inline)) int sf_attend_one(
             const int64_t next = table[b + 1];
             if (next >= 0 && next < a->num_blocks) {
                 const int64_t rows = len - (b + 1) * bs < bs ? len - (b + 1) * bs : bs;
-                sf_prefetch_block(kbase + next * block_stride * elem,
-                                  vbase + next * block_stride * elem, rows, hd * elem,
-                                  row_stride * elem);
+                sf_prefetch_block(kbase + next * block_bytes, vbase + next * block_bytes, rows,
+                                  head_bytes, row_bytes);
             }
         }
         const int64_t start = b * bs;
         const int64_t in_block = len - start < bs ? len - start : bs;
-        const char *kblock = kbase + block_id * block_stride * elem;
-        const char *vblock = vbase + block_id * block_stride * elem;
+        const char *kblock = kbase + block_id * block_bytes;
+        const char *vblock = vbase + block_id * block_bytes;
 
         for (int64_t c0 = 0; c0 < in_block; c0 += SF_CHUNK) {
             const int64_t n = in_block - c0 < SF_CHUNK ? in_block - c0 : SF_CHUNK;
             const float *k, *v;
             int64_t stride;
+            const char *krows = kblock + c0 * row_bytes, *vrows = vblock + c0 * row_bytes;
             if (kind == SF_CACHE_BF16) {
-                sf_widen_rows((const uint16_t *)kblock + c0 * row_stride, row_stride, n, hd, kbuf);
-                sf_widen_rows((const uint16_t *)vblock + c0 * row_stride, row_stride, n, hd, vbuf);
+                sf_widen_rows((const uint16_t *)krows, row_bytes / 2, n, hd, kbuf);
+                sf_widen_rows((const uint16_t *)vrows, row_bytes / 2, n, hd, vbuf);
                 k = kbuf;
                 v = vbuf;
                 stride = hd;
             } else if (kind == SF_CACHE_F16) {
-                sf_widen_rows_f16((const uint16_t *)kblock + c0 * row_stride, row_stride, n, hd,
-                                  kbuf);
-                sf_widen_rows_f16((const uint16_t *)vblock + c0 * row_stride, row_stride, n, hd,
-                                  vbuf);
+                sf_widen_rows_f16((const uint16_t *)krows, row_bytes / 2, n, hd, kbuf);
+                sf_widen_rows_f16((const uint16_t *)vrows, row_bytes / 2, n, hd, vbuf);
+                k = kbuf;
+                v = vbuf;
+                stride = hd;
+            } else if (kind == SF_CACHE_I8) {
+                sf_widen_rows_i8((const int8_t *)krows, row_bytes, n, hd, kbuf);
+                sf_widen_rows_i8((const int8_t *)vrows, row_bytes, n, hd, vbuf);
                 k = kbuf;
                 v = vbuf;
                 stride = hd;
             } else {
-                k = (const float *)kblock + c0 * row_stride;
-                v = (const float *)vblock + c0 * row_stride;
-                stride = row_stride;
+                k = (const float *)krows;
+                v = (const float *)vrows;
+                stride = row_bytes / 4;
             }
             sf_attend_chunk(k, v, stride, n, group, hd, qs, acc, scores, run_max, run_sum, alpha);
         }
@@ -361,6 +381,12 @@ static int sf_attend_task(const sf_args *a, int64_t task, float *work) {
         if (hd == 64) return sf_attend_one(a, seq, kv_head, 64, SF_CACHE_F16, work);
         if (hd == 128) return sf_attend_one(a, seq, kv_head, 128, SF_CACHE_F16, work);
         return sf_attend_one(a, seq, kv_head, hd, SF_CACHE_F16, work);
+    }
+    if (a->cache_kind == SF_CACHE_I8) {
+        if (hd == 32) return sf_attend_one(a, seq, kv_head, 32, SF_CACHE_I8, work);
+        if (hd == 64) return sf_attend_one(a, seq, kv_head, 64, SF_CACHE_I8, work);
+        if (hd == 128) return sf_attend_one(a, seq, kv_head, 128, SF_CACHE_I8, work);
+        return sf_attend_one(a, seq, kv_head, hd, SF_CACHE_I8, work);
     }
     if (hd == 32) return sf_attend_one(a, seq, kv_head, 32, 0, work);
     if (hd == 64) return sf_attend_one(a, seq, kv_head, 64, 0, work);
@@ -413,7 +439,7 @@ int sf_paged_decode(const float *q, const void *k_cache, const void *v_cache,
     sf_args a = {q, k_cache, v_cache, block_tables, context_lens, out,
                  num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
                  max_blocks, scale, cache_kind};
-    if (cache_kind < SF_CACHE_F32 || cache_kind > SF_CACHE_F16) return SF_ERR_CACHE_KIND;
+    if (cache_kind < SF_CACHE_F32 || cache_kind > SF_CACHE_I8) return SF_ERR_CACHE_KIND;
     const int64_t num_tasks = num_seqs * num_kv_heads;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > num_tasks) num_threads = (int)(num_tasks > 0 ? num_tasks : 1);

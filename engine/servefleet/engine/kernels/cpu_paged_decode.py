@@ -28,7 +28,7 @@ from servefleet.engine.kernels.cbuild import (
     kernel_cache_dir,
     loaded_openmp_runtimes,
 )
-from servefleet.engine.kernels.validation import validate_decode_inputs
+from servefleet.engine.kernels.validation import INT8_CACHE_DTYPES, validate_decode_inputs
 
 logger = logging.getLogger("servefleet.engine.kernels")
 
@@ -47,7 +47,7 @@ OPTIMISE_FLAGS = (
     "-ffp-contract=fast",
 )
 
-CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 ERROR_MESSAGES = {
     1: "a context length is < 1 or larger than max_blocks * block_size",
@@ -67,7 +67,7 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     ctypes.c_void_p,  # q (float32)
     ctypes.c_void_p,  # k_cache
     ctypes.c_void_p,  # v_cache
-    ctypes.c_int,  # cache kind: 0 float32, 1 bfloat16, 2 float16
+    ctypes.c_int,  # cache kind: 0 float32, 1 bfloat16, 2 float16, 3 int8 (+ row scales)
     ctypes.c_void_p,  # block_tables
     ctypes.c_void_p,  # context_lens
     ctypes.c_void_p,  # out (float32)
@@ -100,7 +100,9 @@ class CpuPagedDecode:
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        shape = validate_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, "cpu")
+        shape = validate_decode_inputs(
+            q, k_cache, v_cache, block_tables, context_lens, "cpu", INT8_CACHE_DTYPES
+        )
         q32 = q if q.dtype == torch.float32 else q.float()
         out = torch.empty(q.shape, dtype=torch.float32)
         if shape.num_seqs == 0:

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from servefleet.engine.kv_quant import row_width
+
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT8_CACHE_DTYPES = (*CACHE_DTYPES, torch.int8)  # kernels that read kv_quant's int8 rows
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -34,6 +37,7 @@ def _first_problem(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     device_type: str,
+    cache_dtypes: tuple[torch.dtype, ...],
 ) -> str | None:
     """Messages are only formatted on failure: this runs once per layer per step."""
     if q.dim() != 3:
@@ -47,14 +51,14 @@ def _first_problem(
         return f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
-    if cache_head_dim != head_dim:
-        return f"cache head_dim {cache_head_dim} != q head_dim {head_dim}"
+    if cache_head_dim != row_width(head_dim, k_cache.dtype):
+        return f"cache row width {cache_head_dim} does not fit q head_dim {head_dim}"
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         return f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
     if q.dtype not in QUERY_DTYPES:
         return f"q dtype {q.dtype} not in {QUERY_DTYPES}"
-    if k_cache.dtype not in CACHE_DTYPES:
-        return f"cache dtype {k_cache.dtype} not in {CACHE_DTYPES}"
+    if k_cache.dtype not in cache_dtypes:
+        return f"cache dtype {k_cache.dtype} not in {cache_dtypes}"
     if v_cache.dtype != k_cache.dtype:
         return f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}"
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
@@ -85,9 +89,12 @@ def validate_decode_inputs(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     device_type: str,
+    cache_dtypes: tuple[torch.dtype, ...] = CACHE_DTYPES,
 ) -> DecodeShape:
     """Raise ValueError naming the first bad argument; return the call's sizes."""
-    problem = _first_problem(q, k_cache, v_cache, block_tables, context_lens, device_type)
+    problem = _first_problem(
+        q, k_cache, v_cache, block_tables, context_lens, device_type, cache_dtypes
+    )
     if problem is not None:
         raise ValueError(f"paged decode: {problem}")
     num_seqs, num_heads, head_dim = q.shape

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from servefleet.engine.kv_quant import row_width
 from servefleet.engine.memory import empty_on_huge_pages
 from servefleet.engine.model.config import ModelConfig
 
@@ -15,9 +16,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
+    """Bytes one KV block takes across all layers (keys and values, int8's scales too)."""
     element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    row = row_width(config.head_dim, dtype) * element
+    return 2 * config.num_layers * block_size * config.num_kv_heads * row
 
 
 def allocate_kv_cache(
@@ -27,8 +29,12 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[KVCache]:
-    """One allocation for the whole cache; per-layer (k, v) views of it, each contiguous."""
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    """One allocation for the whole cache; per-layer (k, v) views of it, each contiguous.
+
+    An int8 cache's rows are head_dim + 4 wide: each carries its float32 scale (kv_quant).
+    """
+    row = row_width(config.head_dim, dtype)
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, row)
     if torch.device(device).type == "cpu":  # attention reads scattered blocks: fewer TLB misses
         storage = empty_on_huge_pages(shape, dtype).zero_()
     else:

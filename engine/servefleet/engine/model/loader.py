@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from servefleet.engine.attention import PagedAttention
+from servefleet.engine.kernels.packed_weights import PackedWeight
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.conversion_cache import (
     Checkpoint,
@@ -18,9 +19,12 @@ from servefleet.engine.model.conversion_cache import (
     read_entry,
     write_entry,
 )
+from servefleet.engine.model.int4_checkpoints import int4_layers, int4_method
 from servefleet.engine.model.llama import LlamaForCausalLM
+from servefleet.engine.model.quantize import quantize_checkpoint
 from servefleet.engine.model.safetensors_loader import (
     config_from_hf_folder,
+    read_json,
     read_safetensors_weights,
 )
 from servefleet.engine.model.weights import (
@@ -35,6 +39,11 @@ from servefleet.text.hf_folder import hf_chat_template
 from servefleet.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class QuantizationSettingsError(ValueError):
+    """Quantization at load asked of a model that cannot hold packed weights."""
+
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -60,19 +69,51 @@ def load_model(
     cache_root: Path | None = None,
     use_cache: bool = True,
     packed_weights: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `source`: a .gguf file, a Hugging Face folder, or a built-in model name.
 
     `packed_weights`: hold a quantized checkpoint's projections as their 4-8-bit blocks
     for the packed CPU matmuls, instead of float32 (float32 CPU models only; the same
     results from 3.5-5x fewer bytes). Otherwise they are dequantized here.
+    `quantization` (int8, int4): quantize the float projections at load into packed blocks
+    (needs packed weights on a float32 CPU model).
     """
     checkpoint = read_checkpoint(source, cache_root=cache_root, use_cache=use_cache)
+    return model_from_checkpoint(
+        checkpoint,
+        dtype,
+        device,
+        attn_impl=attn_impl,
+        max_positions=max_positions,
+        packed_weights=packed_weights,
+        quantization=quantization,
+    )
+
+
+def model_from_checkpoint(
+    checkpoint: Checkpoint,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    *,
+    attn_impl: PagedAttention | None = None,
+    max_positions: int | None = None,
+    packed_weights: bool = True,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """A ready model from a read checkpoint (see `load_model` for the options)."""
     # Built on the meta device: parameters are adopted from the checkpoint, never allocated twice.
     model = LlamaForCausalLM(
         checkpoint.config, attn_impl, max_positions=max_positions, dtype=dtype, device="meta"
     )
     keep_packed = packed_weights and dtype == torch.float32 and torch.device(device).type == "cpu"
+    if quantization is not None:
+        if not keep_packed:
+            raise QuantizationSettingsError(
+                f"quantization {quantization} needs packed weights on a float32 CPU model, "
+                f"not {dtype} on {device} with packed weights {'on' if packed_weights else 'off'}"
+            )
+        quantize_checkpoint(checkpoint, quantization)
     if keep_packed:
         model.load_weights(checkpoint.weights, device=device, packed=checkpoint.packed)
     else:
@@ -155,10 +196,28 @@ def _read_gguf(path: Path, cache_root: Path | None, use_cache: bool) -> Checkpoi
 def _read_hf_folder(folder: Path) -> Checkpoint:
     config = config_from_hf_folder(folder)
     tokenizer = Tokenizer.from_hf_folder(folder)
+    weights = read_safetensors_weights(folder)
+    packed = _int4_packed(folder, config, weights)
     return Checkpoint(
         config=config,
-        weights=fuse_hf_weights(config, read_safetensors_weights(folder)),
+        weights=fuse_hf_weights(config, weights, packed),
         tokenizer=tokenizer,
         chat_template=hf_chat_template(folder),
         name=folder.name,
+        packed=packed,
     )
+
+
+def _int4_packed(
+    folder: Path, config: ModelConfig, weights: dict[str, torch.Tensor]
+) -> dict[str, PackedWeight]:
+    """An AWQ/GPTQ checkpoint's layers packed (their parts leave `weights`); a quantized
+    layer that fuses into no packed projection goes back into `weights` as float32."""
+    quantization_config = read_json(folder / "config.json").get("quantization_config")
+    if quantization_config is None or int4_method(quantization_config) is None:
+        return {}
+    layers = int4_layers(weights, quantization_config)
+    packed = fuse_packed_weights(config, layers)
+    covered = packed_sources(config, packed)
+    weights.update({n: layer.dequantize() for n, layer in layers.items() if n not in covered})
+    return packed

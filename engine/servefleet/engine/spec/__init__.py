@@ -1,1 +1,2 @@
-"""Speculative decoding: n-gram proposals verified in the target's own forward pass."""
+"""Speculative decoding: n-gram or draft-model proposals, verified in the target's own
+forward pass."""

@@ -21,7 +21,8 @@ from servefleet.engine.sequence import Sequence
 from servefleet.engine.spec.ngram import propose_ngram
 
 if TYPE_CHECKING:
-    from servefleet.engine.scheduler import SchedulerConfig, SchedulerOutput
+    from servefleet.engine.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutput
+    from servefleet.engine.spec.draft import DraftProposer
 
 ACCEPTANCE_EMA_WEIGHT = 0.2  # weight of the latest verification in a request's acceptance rate
 INITIAL_ACCEPTANCE_RATE = 0.5  # before any measurement: neither trusted nor written off
@@ -47,8 +48,13 @@ class _Acceptance:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_step_rows: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_step_rows: int, draft: DraftProposer | None = None
+    ) -> None:
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft proposer goes with method draft_model, and only with it")
         self.config = config
+        self.draft = draft
         self.max_step_rows = max_step_rows
         self.step = 0
         self._acceptance: dict[int, _Acceptance] = {}  # by seq_id, running sequences only
@@ -63,29 +69,64 @@ class Speculator:
         if batch_limit is not None and len(out.decodes) + len(out.prefills) > batch_limit:
             return
         room = min(limits.max_num_batched_tokens, self.max_step_rows) - out.num_batched_tokens
+        if self.draft is not None:
+            self._attach_model_drafts(self.draft, out, kv_cache, limits, room)
+            return
         for chunk in out.decodes:
             if room <= 0:
                 return
             seq = chunk.seq
             if not chunk.samples or not self._proposes(seq):
                 continue
-            # The step yields accepted proposals + 1 tokens: never more than the request or
-            # the context may still take.
-            limit = min(
-                self.config.num_speculative_tokens,
-                room,
-                seq.params.max_tokens - seq.num_output_tokens - 1,
-                limits.max_model_len - seq.num_tokens - 1,
-            )
             draft = propose_ngram(
-                seq.token_ids, limit, self.config.prompt_lookup_min, self.config.prompt_lookup_max
+                seq.token_ids,
+                self._limit(seq, room, limits),
+                self.config.prompt_lookup_min,
+                self.config.prompt_lookup_max,
             )
-            if not draft or not kv_cache.allocate(
-                seq, chunk.num_new_tokens, [], num_lookahead_tokens=len(draft)
-            ):
-                continue
-            chunk.draft_token_ids = draft
-            room -= len(draft)
+            if self._attach(chunk, draft, kv_cache):
+                room -= len(draft)
+
+    def _attach_model_drafts(
+        self,
+        proposer: DraftProposer,
+        out: SchedulerOutput,
+        kv_cache: KVCacheManager,
+        limits: SchedulerConfig,
+        room: int,
+    ) -> None:
+        """A draft model always writes its full limit: rows are reserved before it runs,
+        so every proposing decode goes through one batched draft pass per position."""
+        wanted: list[tuple[ScheduledChunk, int]] = []
+        for chunk in out.decodes:
+            limit = self._limit(chunk.seq, room, limits)
+            if limit > 0 and chunk.samples and self._proposes(chunk.seq):
+                wanted.append((chunk, limit))
+                room -= limit
+        if not wanted:
+            return
+        drafts = proposer.propose([(chunk.seq, limit) for chunk, limit in wanted])
+        for (chunk, _), draft in zip(wanted, drafts, strict=True):
+            self._attach(chunk, draft, kv_cache)
+
+    def _limit(self, seq: Sequence, room: int, limits: SchedulerConfig) -> int:
+        """The step yields accepted proposals + 1 tokens: never more than the request or
+        the context may still take."""
+        return min(
+            self.config.num_speculative_tokens,
+            room,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            limits.max_model_len - seq.num_tokens - 1,
+        )
+
+    @staticmethod
+    def _attach(chunk: ScheduledChunk, draft: list[int], kv_cache: KVCacheManager) -> bool:
+        if not draft or not kv_cache.allocate(
+            chunk.seq, chunk.num_new_tokens, [], num_lookahead_tokens=len(draft)
+        ):
+            return False
+        chunk.draft_token_ids = draft
+        return True
 
     def _proposes(self, seq: Sequence) -> bool:
         if seq.grammar is not None:
@@ -113,6 +154,8 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._acceptance.pop(seq.seq_id, None)
+        if self.draft is not None:
+            self.draft.forget(seq)
 
     def take_stats(self) -> SpecDecodeStats:
         stats, self._stats = self._stats, SpecDecodeStats()

@@ -1,0 +1,157 @@
+"""The OpenAPI document: valid 3.1, every request field in it, and served by engine and gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from types import SimpleNamespace
+from typing import Any, cast
+
+import httpx
+import pytest
+from fastapi.routing import APIRoute
+from openapi_spec_validator import validate
+from pydantic import BaseModel
+
+from servefleet.api.gateway_config import (
+    ApiKeyRef,
+    GatewayConfig,
+    GatewayDeployment,
+    GatewayTenant,
+    TenantAccess,
+    hash_api_key,
+)
+from servefleet.api.openai_requests import REFUSED_FIELDS
+from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
+from servefleet.engine.server import ServingState, build_app
+from servefleet.gateway.app import Gateway
+
+
+def _models_used(model: type[BaseModel], seen: set[type[BaseModel]]) -> set[type[BaseModel]]:
+    """`model` and every model its fields hold (nested in lists, unions, dicts)."""
+    seen.add(model)
+    for field in model.model_fields.values():
+        for found in re.findall(r"\w+", repr(field.annotation)):
+            nested = _NESTED.get(found)
+            if nested is not None and nested not in seen:
+                _models_used(nested, seen)
+    return seen
+
+
+def _pydantic_models() -> dict[str, type[BaseModel]]:
+    from servefleet.api import openai_messages, openai_requests
+
+    found = {}
+    for module in (openai_requests, openai_messages):
+        for name, value in vars(module).items():
+            if isinstance(value, type) and issubclass(value, BaseModel):
+                found[name] = value
+    return found
+
+
+_NESTED = _pydantic_models()
+
+
+def test_the_full_document_is_valid_openapi() -> None:
+    document = openapi_document("t", OPERATIONS, [p for p in OPERATIONS if p.startswith("/v1/")])
+    validate(cast(Any, document))
+    assert document["openapi"].startswith("3.1")
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    assert chat["security"] == [{"bearerKey": []}]
+    assert document["paths"]["/health"]["get"]["security"] == []
+    event = chat["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert event["properties"]["data"] == {"type": "string"}  # one event, as before 3.2
+    error = document["components"]["schemas"]["Error"]["properties"]["error"]
+    assert error["required"] == ["message", "type", "param", "code"]
+    for status in ("4XX", "5XX"):
+        assert chat["responses"][status]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/Error"
+        }
+    ready = document["paths"]["/ready"]["get"]["responses"]["503"]["content"]["application/json"]
+    assert ready["schema"] == {"type": "object"}  # the probe's own body, not an error
+    metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain; version=0.0.4"]
+
+
+def test_every_request_model_field_is_documented() -> None:
+    schemas = openapi_document("t", OPERATIONS)["components"]["schemas"]
+    bodies = [op.body for op in OPERATIONS.values() if op.body is not None]
+    assert len(bodies) == 5
+    models: set[type[BaseModel]] = set()
+    for body in bodies:
+        _models_used(body, models)
+    assert len(models) > len(bodies)  # the nested ones (messages, tools, ...) too
+    for model in models:
+        properties = schemas[model.__name__]["properties"]
+        for name, field in model.model_fields.items():
+            assert (field.alias or name) in properties, f"{model.__name__}.{name}"
+            if name in REFUSED_FIELDS:
+                assert properties[name]["type"] == "null", f"{model.__name__}.{name}"
+
+
+def test_a_path_without_an_operation_is_an_error() -> None:
+    with pytest.raises(ValueError, match="/nope"):
+        openapi_document("t", ["/nope"])
+
+
+def _engine_document(api_key: str | None) -> tuple[dict[str, Any], set[str]]:
+    state = cast(ServingState, SimpleNamespace(api_key=api_key))
+    app = build_app(state)
+    routed = {
+        re.sub(r"\{\w+(:path)?\}", "{model}", route.path)
+        for route in app.routes
+        if isinstance(route, APIRoute)
+    }
+
+    async def fetch() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://e") as client:
+            return await client.get(OPENAPI_PATH)
+
+    response = asyncio.run(fetch())
+    assert response.status_code == 200
+    return response.json(), routed
+
+
+def test_the_engine_documents_exactly_the_paths_it_routes() -> None:
+    document, routed = _engine_document(api_key="k")
+    validate(document)
+    assert set(document["paths"]) == routed
+    assert document["info"]["title"] == "servefleet engine"
+    assert document["paths"]["/v1/completions"]["post"]["security"] == [{"bearerKey": []}]
+    assert document["paths"]["/tokenize"]["post"]["security"] == []  # /v1 only, as enforced
+
+
+def test_an_engine_without_a_key_documents_no_security() -> None:
+    document, _ = _engine_document(api_key=None)
+    assert all(op["security"] == [] for item in document["paths"].values() for op in item.values())
+
+
+def test_the_gateway_documents_its_tenant_port() -> None:
+    config = GatewayConfig(
+        tenants=[GatewayTenant(name="a", api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))])],
+        deployments=[
+            GatewayDeployment(
+                name="d",
+                model="m",
+                endpoints=["http://127.0.0.1:9"],
+                tenants=[TenantAccess(name="a")],
+            )
+        ],
+    )
+    gateway = Gateway(config)
+
+    async def fetch() -> httpx.Response:
+        transport = httpx.ASGITransport(app=cast(Any, gateway))
+        async with httpx.AsyncClient(transport=transport, base_url="http://g") as client:
+            return await client.get(OPENAPI_PATH)
+
+    response = asyncio.run(fetch())
+    assert response.status_code == 200
+    document = response.json()
+    validate(document)
+    assert "/metrics" not in document["paths"]  # the internal port's
+    assert set(document["paths"]) == set(OPERATIONS) - {"/metrics"}
+    for path in ("/tokenize", "/v1/models", "/v1/chat/completions"):
+        assert next(iter(document["paths"][path].values()))["security"] == [{"bearerKey": []}]
+    assert document["paths"]["/health"]["get"]["security"] == []
