@@ -79,3 +79,36 @@ def test_the_engine_refuses_a_lone_surrogate(path: str, body: bytes) -> None:
     app = build_app(cast(ServingState, SimpleNamespace(api_key=None, engine=engine)))
     _assert_openai_400(_post(app, path, body, {}))
     assert rejected == [400]
+
+
+def _get(app: Any, path: str) -> httpx.Response:
+    async def send() -> httpx.Response:
+        # The engine's framework re-raises a handled bug after answering (so it is logged).
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await client.get(path)
+
+    return asyncio.run(send())
+
+
+def _assert_openai_500(response: httpx.Response) -> None:
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+
+
+def test_a_bug_in_the_gateway_is_an_openai_shaped_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    gateway = Gateway(GatewayConfig())
+    monkeypatch.setattr(gateway, "_http", broken)
+    _assert_openai_500(_get(gateway, "/health"))
+
+
+def test_a_bug_in_the_engine_is_an_openai_shaped_500() -> None:
+    """/health on an engine object lacking `is_healthy`: an AttributeError inside the route."""
+    engine = SimpleNamespace(metrics=SimpleNamespace(rejected=lambda _: None))
+    app = build_app(cast(ServingState, SimpleNamespace(api_key=None, engine=engine)))
+    _assert_openai_500(_get(app, "/health"))

@@ -141,6 +141,19 @@ def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(OpenAIError(exc.status_code, str(exc.detail), type="not_found"))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug answers in OpenAI's shape too, not the plain-text 500 page (still logged)."""
+        log.error("internal_error %s %s: %r", request.method, request.url.path, exc)
+        return _error_response(
+            OpenAIError(
+                500,
+                "Internal error in the engine (logged there).",
+                type="server_error",
+                code="internal_error",
+            )
+        )
+
 
 def _add_probe_routes(app: FastAPI, state: ServingState) -> None:
     """What kubelet, Prometheus and routers read: liveness, readiness, metrics, the model."""

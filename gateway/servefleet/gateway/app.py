@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -20,7 +21,7 @@ from servefleet.api.openai_version import version_body
 from servefleet.api.openai_wire import headers_too_large, send_header_error
 from servefleet.api.openapi_doc import OPENAPI_PATH, openapi_document
 from servefleet.gateway.access_log import AccessLog
-from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
+from servefleet.gateway.asgi import Message, Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.completion import CompletionHandler
 from servefleet.gateway.endpoints import ENDPOINTS, model_card_body
@@ -43,6 +44,11 @@ from servefleet.gateway.route_table import (
 )
 from servefleet.gateway.upstream import UpstreamPool
 from servefleet.kube import KubeAccess
+
+log = logging.getLogger("servefleet.gateway.app")
+INTERNAL_ERROR = GatewayError(
+    500, "Internal error in the gateway (logged there).", type="server_error", code="internal_error"
+)
 
 # The tenant port's paths (/metrics is the internal port's); forwarded paths and models need a key.
 _KEYED_PATHS = [*ENDPOINTS, "/v1/models", "/v1/models/{model}"]
@@ -198,13 +204,30 @@ class Gateway:
             if headers_too_large(scope):
                 await send_header_error(send)
                 return
-            try:
-                await self._http(scope, receive, send)
-            except GatewayError as exc:
-                headers = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
-                await respond(send, exc.status, exc.body(), headers=headers)
+            await self._http_or_error(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _http_or_error(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Every error in OpenAI's shape: a refusal as itself, a bug as a logged 500 (never
+        the server's plain-text page), unless the answer had started already."""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._http(scope, receive, tracked)
+        except GatewayError as exc:
+            headers = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+            await respond(send, exc.status, exc.body(), headers=headers)
+        except Exception:
+            log.exception("internal_error %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            await respond(send, 500, INTERNAL_ERROR.body())
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
