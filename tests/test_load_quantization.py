@@ -27,7 +27,7 @@ from servefleet.engine.config import EngineConfig
 from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm
 from servefleet.engine.kernels.packed_weights import BLOCK_K, BlockQuantized, PackedFormat, pack
 from servefleet.engine.model.loader import QuantizationSettingsError, load_model
-from servefleet.engine.model.quantize import quantize_int4, quantize_int8
+from servefleet.engine.model.quantize import own_copies, quantize_int4, quantize_int8
 from tests.test_model_int4_checkpoints import prefill_logits
 from tests.test_model_safetensors import CASES, _save_checkpoint
 from tests.test_small_gemm import gemm  # noqa: F401  (the fixture: every kernel build)
@@ -125,3 +125,15 @@ def test_quantization_needs_a_model_that_holds_packed_weights(tmp_path: Path) ->
         load_model(str(tmp_path), torch.bfloat16, quantization="int8")
     with pytest.raises(QuantizationSettingsError, match="packed weights off"):
         load_model(str(tmp_path), packed_weights=False, quantization="int4")
+
+
+def test_weights_left_in_float_no_longer_share_the_checkpoints_storage() -> None:
+    """After quantizing, the float weights left (embedding, norms) are copies: a view left on
+    the memory-mapped file would keep every page quantizing read resident."""
+    file_storage = torch.randn(1 << 16)  # stands in for the mapped file all tensors view
+    embed = file_storage[: 64 * 32].view(64, 32)
+    weights = {"embed_tokens": embed, "norm": file_storage[-32:]}
+    own_copies(weights)
+    for name, tensor in weights.items():
+        assert tensor.untyped_storage().data_ptr() != file_storage.untyped_storage().data_ptr()
+        assert torch.equal(tensor, embed if name == "embed_tokens" else file_storage[-32:])

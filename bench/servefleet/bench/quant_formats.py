@@ -1,7 +1,7 @@
 """Memory and decode speed of one model stored as float32, Q8_0, Q4_K and Q4_K_M GGUF,
 and as float32 quantized at load (`--quantization int8`, `int4`: these read every page
-of the memory-mapped float32 cache, which stays mapped, so their RSS counts it too;
-`weight_bytes` is what the model holds).
+of the memory-mapped float32 cache once, so their peak RSS counts it; `weight_bytes` is
+what the model holds).
 
 The same synthetic model (`quant_models`: random weights, nothing downloaded) is written in
 each format and loaded the way `servefleet engine` loads it (`process.load_for`: packed
