@@ -39,6 +39,21 @@ BODIES = [
 ]
 
 
+def one_tenant_config() -> GatewayConfig:
+    """Tenant `a` (key `key-a`) on deployment `d` of model `m`, its replica unreachable."""
+    return GatewayConfig(
+        tenants=[GatewayTenant(name="a", api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))])],
+        deployments=[
+            GatewayDeployment(
+                name="d",
+                model="m",
+                endpoints=["http://127.0.0.1:9"],
+                tenants=[TenantAccess(name="a")],
+            )
+        ],
+    )
+
+
 def _post(app: Any, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
     async def send() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
@@ -57,17 +72,7 @@ def _assert_openai_400(response: httpx.Response) -> None:
 
 @pytest.mark.parametrize(("path", "body"), BODIES)
 def test_the_gateway_refuses_a_lone_surrogate(path: str, body: bytes) -> None:
-    config = GatewayConfig(
-        tenants=[GatewayTenant(name="a", api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))])],
-        deployments=[
-            GatewayDeployment(
-                name="d",
-                model="m",
-                endpoints=["http://127.0.0.1:9"],
-                tenants=[TenantAccess(name="a")],
-            )
-        ],
-    )
+    config = one_tenant_config()
     response = _post(Gateway(config), path, body, {"authorization": "Bearer key-a"})
     _assert_openai_400(response)
 

@@ -13,18 +13,11 @@ from fastapi.routing import APIRoute
 from openapi_spec_validator import validate
 from pydantic import BaseModel
 
-from servefleet.api.gateway_config import (
-    ApiKeyRef,
-    GatewayConfig,
-    GatewayDeployment,
-    GatewayTenant,
-    TenantAccess,
-    hash_api_key,
-)
 from servefleet.api.openai_requests import REFUSED_FIELDS
 from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
 from servefleet.engine.server import ServingState, build_app
 from servefleet.gateway.app import Gateway
+from tests.test_fuzz_regressions import one_tenant_config
 
 
 def _models_used(model: type[BaseModel], seen: set[type[BaseModel]]) -> set[type[BaseModel]]:
@@ -128,17 +121,7 @@ def test_an_engine_without_a_key_documents_no_security() -> None:
 
 
 def test_the_gateway_documents_its_tenant_port() -> None:
-    config = GatewayConfig(
-        tenants=[GatewayTenant(name="a", api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))])],
-        deployments=[
-            GatewayDeployment(
-                name="d",
-                model="m",
-                endpoints=["http://127.0.0.1:9"],
-                tenants=[TenantAccess(name="a")],
-            )
-        ],
-    )
+    config = one_tenant_config()
     gateway = Gateway(config)
 
     async def fetch() -> httpx.Response:

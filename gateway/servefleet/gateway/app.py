@@ -21,7 +21,7 @@ from servefleet.api.openai_version import version_body
 from servefleet.api.openai_wire import headers_too_large, send_header_error
 from servefleet.api.openapi_doc import OPENAPI_PATH, openapi_document
 from servefleet.gateway.access_log import AccessLog
-from servefleet.gateway.asgi import Message, Receive, Scope, Send, header, respond
+from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.completion import CompletionHandler
 from servefleet.gateway.endpoints import ENDPOINTS, model_card_body
@@ -210,24 +210,18 @@ class Gateway:
 
     async def _http_or_error(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Every error in OpenAI's shape: a refusal as itself, a bug as a logged 500 (never
-        the server's plain-text page), unless the answer had started already."""
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        the server's plain-text page); a bug after the answer started ends the connection."""
         try:
-            await self._http(scope, receive, tracked)
+            await self._http(scope, receive, send)
         except GatewayError as exc:
             headers = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
             await respond(send, exc.status, exc.body(), headers=headers)
-        except Exception:
+        except Exception as exc:
             log.exception("internal_error %s %s", scope["method"], scope["path"])
-            if started:
-                raise
-            await respond(send, 500, INTERNAL_ERROR.body())
+            try:
+                await respond(send, 500, INTERNAL_ERROR.body())
+            except Exception:  # the answer had started: a second start is refused
+                raise exc from None
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
