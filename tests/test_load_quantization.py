@@ -18,16 +18,31 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import save_file
 
 from servefleet.api import load_quantization
 from servefleet.api.engines import EngineListen, engine_adapter
 from servefleet.api.llmdeployment import LLMDeploymentSpec
+from servefleet.bench.quant_models import SCHEMES, TINY, write_llama_gguf
 from servefleet.cli import engine_cmd
 from servefleet.engine.config import EngineConfig
 from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm
-from servefleet.engine.kernels.packed_weights import BLOCK_K, BlockQuantized, PackedFormat, pack
-from servefleet.engine.model.loader import QuantizationSettingsError, load_model
+from servefleet.engine.kernels.packed_weights import (
+    BLOCK_K,
+    BlockQuantized,
+    PackedFormat,
+    PackedWeight,
+    pack,
+)
+from servefleet.engine.model.loader import (
+    LoadedModel,
+    QuantizationSettingsError,
+    load_model,
+    model_from_checkpoint,
+    read_checkpoint,
+)
 from servefleet.engine.model.quantize import own_copies, quantize_int4, quantize_int8
+from servefleet.engine.model.safetensors_loader import TensorFiles
 from tests.test_model_int4_checkpoints import prefill_logits
 from tests.test_model_safetensors import CASES, _save_checkpoint
 from tests.test_small_gemm import gemm  # noqa: F401  (the fixture: every kernel build)
@@ -137,3 +152,110 @@ def test_weights_left_in_float_no_longer_share_the_checkpoints_storage() -> None
     for name, tensor in weights.items():
         assert tensor.untyped_storage().data_ptr() != file_storage.untyped_storage().data_ptr()
         assert torch.equal(tensor, embed if name == "embed_tokens" else file_storage[-32:])
+
+
+def _packed_weights(loaded: LoadedModel) -> dict[str, PackedWeight]:
+    found = {
+        f"{i}.{n}": w
+        for i, layer in enumerate(loaded.model.layers)
+        for n, w in layer.packed.items()
+    }
+    if loaded.model.packed_lm_head is not None:
+        found["lm_head"] = loaded.model.packed_lm_head
+    return found
+
+
+def assert_bitwise_equal(streamed: LoadedModel, in_memory: LoadedModel) -> None:
+    """Quantizing while reading gives today's in-memory quantized model, bit for bit."""
+    ours, reference = _packed_weights(streamed), _packed_weights(in_memory)
+    assert ours.keys() == reference.keys() and ours
+    for name, weight in ours.items():
+        other = reference[name]
+        assert (weight.k, weight.n) == (other.k, other.n), name
+        assert torch.equal(weight.data, other.data) and torch.equal(weight.formats, other.formats)
+    params = dict(in_memory.model.named_parameters())
+    assert {n for n, _ in streamed.model.named_parameters()} == set(params)
+    for name, tensor in streamed.model.named_parameters():
+        assert torch.equal(tensor, params[name]), name
+    ids = list(range(3, 40))
+    assert torch.equal(prefill_logits(streamed, ids), prefill_logits(in_memory, ids))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("case", ["llama-linear-rope-bias-tied", "llama3-rope-untied"])
+def test_safetensors_folder_is_quantized_as_read(tmp_path: Path, case: str, mode: str) -> None:
+    config_class, extra = CASES[case]
+    _save_checkpoint(tmp_path, config_class, {**extra, "intermediate_size": 128})
+    streamed = load_model(str(tmp_path), quantization=mode)
+    in_memory = model_from_checkpoint(read_checkpoint(str(tmp_path)), quantization=mode)
+    assert_bitwise_equal(streamed, in_memory)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_cached_gguf_conversion_is_quantized_as_read(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / "tiny-f32.gguf"
+    write_llama_gguf(path, TINY, SCHEMES["F32"], np.random.default_rng(0))
+    cache = tmp_path / "cache"
+    cold = load_model(str(path), cache_root=cache, quantization=mode)  # converts, then quantizes
+    warm = load_model(str(path), cache_root=cache, quantization=mode)  # streams the cache entry
+    in_memory = model_from_checkpoint(
+        read_checkpoint(str(path), cache_root=cache), quantization=mode
+    )
+    assert_bitwise_equal(warm, in_memory)
+    assert_bitwise_equal(cold, in_memory)
+
+
+def test_tensor_files_read_what_safetensors_stores(tmp_path: Path) -> None:
+    """Tensors read one at a time into memory of their own (nothing mapped), any dtype."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(5, 7, generator=generator),
+        "bf16": torch.randn(3, 64, generator=generator).to(torch.bfloat16),
+        "f16": torch.randn(9, generator=generator).to(torch.float16),
+        "i8": torch.randint(-128, 127, (4, 4), dtype=torch.int8, generator=generator),
+        "empty": torch.zeros(0, 3),
+    }
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    save_file({"scalar": torch.tensor(2.5)}, str(tmp_path / "b.safetensors"))
+    files = TensorFiles([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+    assert set(files) == {*tensors, "scalar"} and len(files) == 6
+    for name, expected in {**tensors, "scalar": torch.tensor(2.5)}.items():
+        got = files[name]
+        assert got.dtype == expected.dtype and torch.equal(got, expected), name
+        assert got.is_contiguous() and got.untyped_storage().nbytes() == expected.nbytes
+
+
+def _reference_int8(weight: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """The whole-matrix int8 quantizer as first shipped: row chunking must not change a bit."""
+    blocks = weight.to(torch.float32).contiguous().numpy().reshape(weight.shape[0], -1, BLOCK_K)
+    bits = (np.abs(blocks).max(axis=-1) / np.float32(127.0)).view(np.uint32)
+    scale = ((bits + np.uint32(0x80)) & np.uint32(0xFFFFFF00)).view(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))[..., None]
+    return np.clip(np.rint(blocks / safe), -127, 127).astype(np.int8), scale
+
+
+def _reference_int4(weight: torch.Tensor) -> tuple[np.ndarray, ...]:
+    blocks = weight.to(torch.float32).contiguous().numpy().reshape(weight.shape[0], -1, BLOCK_K)
+    low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+    bits = ((high - low) / np.float32(15)).view(np.uint32)
+    scale = ((bits + np.uint32(0x80)) & np.uint32(0xFFFFFF00)).view(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))[..., None]
+    q = np.clip(np.rint((blocks - low[..., None]) / safe), 0, 15).astype(np.uint8)
+    return q, scale, low
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_quantizers_equal_the_whole_matrix_ones(dtype: torch.dtype) -> None:
+    fused_in_out = torch.randn(96, 2500, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weight = fused_in_out.t()  # [out, in] as quantizing reads a fused projection: a view
+    weight_before = weight.clone()
+    q8, q4 = quantize_int8(weight), quantize_int4(weight)
+    assert torch.equal(weight, weight_before)  # the float weight is never written to
+    q, scale = _reference_int8(weight)
+    assert np.array_equal(q8.q, q.reshape(weight.shape)) and np.array_equal(q8.scale, scale)
+    q, scale, low = _reference_int4(weight)
+    assert np.array_equal(q4.q, q.reshape(weight.shape)) and np.array_equal(q4.scale, scale)
+    assert q4.minimum is not None and np.array_equal(q4.minimum, low)
+    embedding = weight.contiguous()  # float32: the chunks are views of it, never written
+    quantize_int8(embedding), quantize_int4(embedding)
+    assert torch.equal(embedding, weight_before)

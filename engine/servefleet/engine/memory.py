@@ -1,4 +1,5 @@
-"""Large CPU buffers on transparent huge pages, where the kernel allows it.
+"""Large CPU buffers on transparent huge pages, where the kernel allows it; mapped weights made
+resident at load (`touch_pages`).
 
 Decode attention walks the KV cache in scattered 4-16 KiB blocks: on 4 KiB pages nearly
 every block is a TLB miss. Linux backs an `madvise(MADV_HUGEPAGE)`
@@ -57,3 +58,20 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     tensor = torch.empty(shape, dtype=dtype)
     advise_huge_pages(tensor)
     return tensor
+
+
+_PAGE = 4096
+
+
+def touch_pages(tensor: torch.Tensor) -> None:
+    """Read one byte of every page under a CPU tensor.
+
+    A weight mapped from a file only becomes resident where it is read, and an embedding
+    table is read a row at a time as tokens first appear: the process's RSS then creeps up
+    for hours (looking like a leak, and failing a memory limit late instead of at start).
+    Read once at load, the mapped weights are resident from the first request on.
+    """
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    int(raw[::_PAGE].sum())

@@ -12,13 +12,9 @@ from typing import Protocol
 
 import torch
 
-from servefleet.engine.kernels.cpu_fused_ops import (
-    CpuFusedOps,
-    DecodeLayers,
-    LayerTensors,
-    ModelShape,
-)
+from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode
+from servefleet.engine.kernels.decode_layers import DecodeLayers, LayerTensors, ModelShape
 from servefleet.engine.kernels.matmul import SmallRowsMatmul
 from servefleet.engine.kernels.packed_weights import PackedWeight
 from servefleet.engine.model.config import ModelConfig

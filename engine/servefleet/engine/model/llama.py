@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from servefleet.engine.attention import AttentionMetadata, PagedAttention
-from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, DecodeLayers
+from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode
+from servefleet.engine.kernels.decode_layers import DecodeLayers
 from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul
 from servefleet.engine.kernels.packed_weights import PackedWeight, PackingError
 from servefleet.engine.model.config import ModelConfig

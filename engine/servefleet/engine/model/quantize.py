@@ -21,12 +21,19 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
 
 from servefleet.api.load_quantization import LOAD_QUANTIZATIONS
-from servefleet.engine.kernels.packed_weights import BLOCK_K, BlockQuantized, PackedFormat, pack
+from servefleet.engine.kernels.packed_weights import (
+    BLOCK_K,
+    BlockQuantized,
+    PackedFormat,
+    PackedWeight,
+    pack,
+)
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.conversion_cache import Checkpoint
 from servefleet.engine.model.weights import LM_HEAD, projection_shapes
@@ -36,20 +43,29 @@ logger = logging.getLogger(__name__)
 _INT4_LEVELS = 15
 
 
-def _blocks(weight: torch.Tensor) -> np.ndarray:
-    """[out, in] -> float32 [out, in / 32, 32]."""
+_CHUNK_ROWS = 1024  # rows quantized at once: temporaries stay a few MB, even for lm_head
+
+
+def _row_chunks(weight: torch.Tensor) -> Iterator[tuple[slice, np.ndarray]]:
+    """[out, in] -> (rows, float32 [rows, in / 32, 32]) a chunk at a time: every block's
+    result depends on its own row only, so chunking changes no bit, only the peak memory."""
     rows, cols = weight.shape
-    values = weight.detach().to(torch.float32).contiguous().numpy()
-    return values.reshape(rows, cols // BLOCK_K, BLOCK_K)
+    for start in range(0, rows, _CHUNK_ROWS):
+        chunk = weight[start : start + _CHUNK_ROWS].detach().to(torch.float32).contiguous()
+        yield slice(start, start + len(chunk)), chunk.numpy().reshape(-1, cols // BLOCK_K, BLOCK_K)
 
 
 def quantize_int8(weight: torch.Tensor) -> BlockQuantized:
     """[out, in] float -> symmetric int8 with one scale per 32 inputs of a row."""
-    blocks = _blocks(weight)
-    scale = _exact_product_scale(np.abs(blocks).max(axis=-1) / np.float32(127.0))
-    safe = np.where(scale > 0, scale, np.float32(1.0))[..., None]
-    q = np.clip(np.rint(blocks / safe), -127, 127).astype(np.int8)
-    return BlockQuantized(PackedFormat.Q8, q.reshape(weight.shape), scale.astype(np.float32), None)
+    rows, cols = weight.shape
+    q = np.empty((rows, cols // BLOCK_K, BLOCK_K), np.int8)
+    scale = np.empty((rows, cols // BLOCK_K), np.float32)
+    for part, blocks in _row_chunks(weight):
+        scale[part] = _exact_product_scale(np.abs(blocks).max(axis=-1) / np.float32(127.0))
+        safe = np.where(scale[part] > 0, scale[part], np.float32(1.0))[..., None]
+        work = np.divide(blocks, safe)  # never in place: `blocks` may be the weight itself
+        q[part] = np.clip(np.rint(work, out=work), -127, 127, out=work)
+    return BlockQuantized(PackedFormat.Q8, q.reshape(rows, cols), scale, None)
 
 
 def _exact_product_scale(scale: np.ndarray) -> np.ndarray:
@@ -63,12 +79,18 @@ def _exact_product_scale(scale: np.ndarray) -> np.ndarray:
 
 def quantize_int4(weight: torch.Tensor) -> BlockQuantized:
     """[out, in] float -> 4-bit q with (scale, min) per 32 inputs of a row (min/max grid)."""
-    blocks = _blocks(weight)
-    low, high = blocks.min(axis=-1), blocks.max(axis=-1)
-    scale = _exact_product_scale((high - low) / np.float32(_INT4_LEVELS))
-    safe = np.where(scale > 0, scale, np.float32(1.0))[..., None]
-    q = np.clip(np.rint((blocks - low[..., None]) / safe), 0, _INT4_LEVELS).astype(np.uint8)
-    return BlockQuantized(PackedFormat.Q4, q.reshape(weight.shape), scale, low.astype(np.float32))
+    rows, cols = weight.shape
+    q = np.empty((rows, cols // BLOCK_K, BLOCK_K), np.uint8)
+    scale = np.empty((rows, cols // BLOCK_K), np.float32)
+    low = np.empty((rows, cols // BLOCK_K), np.float32)
+    for part, blocks in _row_chunks(weight):
+        low[part], high = blocks.min(axis=-1), blocks.max(axis=-1)
+        scale[part] = _exact_product_scale((high - low[part]) / np.float32(_INT4_LEVELS))
+        safe = np.where(scale[part] > 0, scale[part], np.float32(1.0))[..., None]
+        work = np.subtract(blocks, low[part][..., None])
+        np.divide(work, safe, out=work)
+        q[part] = np.clip(np.rint(work, out=work), 0, _INT4_LEVELS, out=work)
+    return BlockQuantized(PackedFormat.Q4, q.reshape(rows, cols), scale, low)
 
 
 _QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
@@ -76,7 +98,7 @@ _LM_HEAD_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int8}
 
 
 def _float_weight_out_in(
-    config: ModelConfig, weights: dict[str, torch.Tensor], name: str
+    config: ModelConfig, weights: Mapping[str, torch.Tensor], name: str
 ) -> torch.Tensor | None:
     """The [out, in] float weight behind packable `name`, or None when it is not float here."""
     if name == LM_HEAD:
@@ -86,32 +108,81 @@ def _float_weight_out_in(
     return None if weight is None else weight.t()
 
 
-def quantize_checkpoint(checkpoint: Checkpoint, mode: str) -> int:
-    """Quantize the checkpoint's float projections (and lm_head) in place into
-    `checkpoint.packed`, dropping their float copies; returns how many were quantized."""
+def quantize_into(
+    config: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    packed: dict[str, PackedWeight],
+    mode: str,
+) -> set[str]:
+    """Quantize the float projections (and lm_head) of the fused state `weights` into
+    `packed`, one at a time: `weights` may read each from disk when looked up, so only one
+    float copy exists at once. Returns the state-dict names the packed forms replace."""
     quantizer = _QUANTIZERS.get(mode)
     if quantizer is None:
         raise ValueError(f"quantization {mode!r} is not one of {', '.join(LOAD_QUANTIZATIONS)}")
-    config, weights = checkpoint.config, checkpoint.weights
-    done = 0
+    replaced: set[str] = set()
     for name, (k, _n) in projection_shapes(config).items():
-        if name in checkpoint.packed or k % BLOCK_K:
+        if name in packed or k % BLOCK_K:
             continue
         weight = _float_weight_out_in(config, weights, name)
         if weight is None or not weight.is_floating_point():
             continue
         quantize = _LM_HEAD_QUANTIZERS[mode] if name == LM_HEAD else quantizer
-        checkpoint.packed[name] = pack(quantize(weight))
-        if name != LM_HEAD:
-            del weights[name]
-        elif not config.tie_word_embeddings:
-            del weights["lm_head"]  # a tied embedding stays: the lookup reads it
-        done += 1
-    if done:
-        own_copies(weights)
-        _return_freed_heap()
-    logger.info("quantized %d weights at load to %s", done, mode)
+        packed[name] = pack(quantize(weight))
+        del weight  # before the next weight is read
+        if name != LM_HEAD or not config.tie_word_embeddings:
+            replaced.add(name)  # a tied embedding stays: the lookup reads it
+    return replaced
+
+
+def quantize_checkpoint(checkpoint: Checkpoint, mode: str) -> int:
+    """Quantize an in-memory checkpoint's float projections (and lm_head) into
+    `checkpoint.packed`, dropping their float copies; returns how many were quantized."""
+    before = len(checkpoint.packed)
+    replaced = quantize_into(checkpoint.config, checkpoint.weights, checkpoint.packed, mode)
+    for name in replaced:
+        del checkpoint.weights[name]
+    done = len(checkpoint.packed) - before
+    if done:  # none left when reading quantized them already
+        own_copies(checkpoint.weights)
+        return_freed_heap()
+        logger.info("quantized %d weights at load to %s", done, mode)
     return done
+
+
+def read_quantized(
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    packed: dict[str, PackedWeight],
+    mode: str,
+) -> dict[str, torch.Tensor]:
+    """Stream a fused state dict whose lookups read from disk (`TensorFiles`): the float
+    weights kept are read once, each projection is read, quantized into `packed` and
+    released before the next. Returns the float weights left (in memory of their own)."""
+    shapes, before = projection_shapes(config), len(packed)
+    kept = {name: tensors[name] for name in tensors if name not in shapes}
+    # The kept embedding serves a tied lm_head: looked up in `kept`, it is not read twice.
+    replaced = quantize_into(config, _Layered(kept, tensors), packed, mode)
+    kept |= {n: tensors[n] for n in tensors if n in shapes and n not in replaced}
+    return_freed_heap()
+    logger.info("quantized %d weights at load to %s (streamed)", len(packed) - before, mode)
+    return kept
+
+
+class _Layered(Mapping[str, torch.Tensor]):
+    """`first`'s tensors, then `rest`'s (a read-only ChainMap for any Mapping)."""
+
+    def __init__(self, first: Mapping[str, torch.Tensor], rest: Mapping[str, torch.Tensor]):
+        self._first, self._rest = first, rest
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._first[name] if name in self._first else self._rest[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(set(self._first) | set(self._rest))
+
+    def __len__(self) -> int:
+        return len(set(self._first) | set(self._rest))
 
 
 def own_copies(weights: dict[str, torch.Tensor]) -> None:
@@ -122,7 +193,7 @@ def own_copies(weights: dict[str, torch.Tensor]) -> None:
         weights[name] = tensor.clone()
 
 
-def _return_freed_heap() -> None:
+def return_freed_heap() -> None:
     """Quantizing frees ~200 MB of temporaries (SmolLM2-sized) that glibc keeps in its heap
     rather than give back; trim it (a no-op where the C library has no malloc_trim)."""
     with contextlib.suppress(OSError, AttributeError):

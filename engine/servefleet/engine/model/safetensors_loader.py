@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,56 @@ def read_safetensors_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     for path in safetensors_files(folder):
         weights.update(load_file(str(path)))
     return weights
+
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class TensorFiles(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors files, each read from disk into memory of its own when
+    looked up. Nothing is memory-mapped, so a tensor dropped after use (quantized at load)
+    leaves no resident pages behind; file reads go through the page cache, not our RSS."""
+
+    def __init__(self, paths: Sequence[str | Path]) -> None:
+        self._entries: dict[str, tuple[Path, int, torch.dtype, list[int]]] = {}
+        for path in map(Path, paths):
+            with path.open("rb") as handle:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(size))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if info["dtype"] not in _DTYPES:
+                    raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}")
+                begin = 8 + size + info["data_offsets"][0]
+                self._entries[name] = (path, begin, _DTYPES[info["dtype"]], info["shape"])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, begin, dtype, shape = self._entries[name]
+        count = 1
+        for dim in shape:
+            count *= dim
+        tensor = torch.empty(count, dtype=dtype)
+        raw = tensor.view(torch.uint8)
+        with path.open("rb") as handle:
+            handle.seek(begin)
+            if count and handle.readinto(raw.numpy().data) != raw.numel():
+                raise CheckpointError(f"{path}: tensor {name} is truncated")
+        return tensor.view(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -9,7 +9,7 @@ instead and never exists as float32 (`packed_sources` says which HF tensors that
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import torch
 
@@ -121,6 +121,30 @@ def fuse_packed_weights(
         except PackingError:
             continue  # stays float32
     return packed
+
+
+class FusedProjections(Mapping[str, torch.Tensor]):
+    """HF-named tensors seen under the fused names quantizing at load looks up (each
+    projection as `fuse_hf_weights` makes it, `embed_tokens`, `lm_head`), fused only when
+    looked up: with `hf` reading from disk, one projection's parts exist at a time."""
+
+    def __init__(self, config: ModelConfig, hf: Mapping[str, torch.Tensor]) -> None:
+        self._hf = hf
+        self._sources = {n: s for n, s in _hf_sources(config).items() if n != LM_HEAD}
+        self._sources |= {"embed_tokens": ["model.embed_tokens.weight"]}
+        self._sources |= {"lm_head": ["lm_head.weight"]}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        parts = [self._hf[n] for n in self._sources[name]]  # KeyError: absent
+        if name in ("embed_tokens", "lm_head"):
+            return parts[0]
+        return torch.cat(parts).t()  # [in, out] like _in_out, without its copy
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n, s in self._sources.items() if all(p in self._hf for p in s))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def dense_from_packed(
