@@ -1,9 +1,9 @@
 """The fused C decoder ops against PyTorch, and the model with them against without.
 
 rms_norm, SwiGLU and RoPE + KV-cache write must compute what the PyTorch ops compute
-(to float rounding), per row independently of the batch, and reject inputs that would
-make the C code read or write out of bounds. The float16 conversions are also checked
-in the portable build (-DSF_NO_FLOAT16) that compilers without _Float16 get.
+(to float rounding; int8 KV rows exactly), per row independently of the batch, and reject
+inputs that would make the C code read or write out of bounds. The float16 conversions are
+also checked in the portable build (-DSF_NO_FLOAT16) that compilers without _Float16 get.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from servefleet.engine.attention import AttentionMetadata, PagedAttention, Prefi
 from servefleet.engine.kernels import cbuild, cpu_fused_ops, cpu_paged_decode
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode, load_cpu_paged_decode
+from servefleet.engine.kv_quant import quantize_rows, row_width
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.kv_layout import allocate_kv_cache
 from servefleet.engine.model.llama import LlamaForCausalLM
@@ -109,6 +110,36 @@ def test_rope_kv_matches_torch(ops: CpuFusedOps, cache_dtype: torch.dtype) -> No
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
+def test_rope_kv_quantizes_int8_rows_as_kv_quant_does(ops: CpuFusedOps) -> None:
+    """An int8 cache gets quantize_rows of the rotated k and of v, bit for bit (scale
+    inline), for rows of every magnitude, all-zero rows, exact halves and underflow."""
+    heads, kvh, hd, tokens = 2, 2, 32, 64
+    qkv = torch.randn(tokens, (heads + 2 * kvh) * hd, generator=_gen(20))
+    qkv *= torch.logspace(-30, 30, tokens)[:, None]
+    qkv[0] = 0.0
+    qkv[1] = torch.randint(-5, 6, (qkv.shape[1],), generator=_gen(21)) * 0.5  # ties to even
+    qkv[2, -hd:] = 1e-44  # scale underflows to 0: values 0, as in torch
+    positions = torch.randint(0, 50, (tokens,), generator=_gen(22))
+    angles = torch.rand(50, hd // 2, generator=_gen(23)) * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()], -1).contiguous()
+    sin = torch.cat([angles.sin(), angles.sin()], -1).contiguous()
+    k_cache = torch.zeros(5, 16, kvh, row_width(hd, torch.int8), dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(80, generator=_gen(24))[:tokens]
+    v = qkv[:, (heads + kvh) * hd :].reshape(tokens, kvh, hd).clone()
+    ops.rope_kv(qkv, heads, kvh, hd, positions, cos, sin, k_cache, v_cache, slots)
+    k = qkv[:, heads * hd : (heads + kvh) * hd].reshape(tokens, kvh, hd)  # rotated in place
+    flat_k, flat_v = k_cache.view(80, kvh, -1), v_cache.view(80, kvh, -1)
+    assert torch.equal(flat_k[slots], quantize_rows(k))
+    assert torch.equal(flat_v[slots], quantize_rows(v))
+    untouched = torch.ones(80, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+    with pytest.raises(ValueError, match="wrong dtype"):  # int8 rows lack their scale bytes
+        narrow = torch.zeros(5, 16, kvh, hd, dtype=torch.int8)
+        ops.rope_kv(qkv, heads, kvh, hd, positions, cos, sin, narrow, narrow.clone(), slots)
+
+
 def test_rope_kv_rejects_what_would_go_out_of_bounds(ops: CpuFusedOps) -> None:
     heads, kvh, hd, qkv, positions, cos, sin, k_cache, v_cache, slots = _rope_case(
         3, torch.float32, 8
@@ -196,7 +227,7 @@ TINY = ModelConfig(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 def test_model_with_fused_ops_matches_without(ops: CpuFusedOps, cache_dtype: torch.dtype) -> None:
     """A prefill span then a decode step, through both paths, on the same random model."""
     torch.manual_seed(11)
@@ -233,16 +264,20 @@ def test_model_with_fused_ops_matches_without(ops: CpuFusedOps, cache_dtype: tor
     torch.testing.assert_close(run(ops), run(None), rtol=1e-4, atol=1e-5)
 
 
-def test_decode_layers_in_one_call_give_the_python_paths_bits(smollm2) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_decode_layers_in_one_call_give_the_python_paths_bits(  # type: ignore[no-untyped-def]
+    smollm2, cache_dtype: torch.dtype
+) -> None:
     """A decode step of SmolLM2 through the one-call C program and through the model's
-    per-layer Python path: the same hidden states and the same KV-cache writes, bitwise."""
+    per-layer Python path: the same hidden states and the same KV-cache writes, bitwise
+    (an int8 cache quantized on write by the same C code in both)."""
     model = smollm2.model
     assert model.fused_ops is not None
     config = model.config
     prompts = [list(range(100 + i, 140 + 7 * i)) for i in range(5)]
 
     def run(program: bool) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        kv = allocate_kv_cache(config, 40, 16, torch.float32, "cpu")
+        kv = allocate_kv_cache(config, 40, 16, cache_dtype, "cpu")
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
         with torch.inference_mode():
             for prompt, table in zip(prompts, tables, strict=True):  # one prefill each
@@ -273,7 +308,7 @@ def test_decode_layers_in_one_call_give_the_python_paths_bits(smollm2) -> None: 
 
     assert model._decode_layers_for(
         model.fused_ops,
-        allocate_kv_cache(config, 2, 16, torch.float32, "cpu"),
+        allocate_kv_cache(config, 2, 16, cache_dtype, "cpu"),
         AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_size=16,
                           num_decodes=1),
         1,

@@ -12,13 +12,19 @@ from pydantic import ValidationError
 from servefleet.api.speculative import SPECULATIVE_CONFIG_FLAG, SpeculativeConfig
 from servefleet.cli import engine_cmd
 from servefleet.engine.kv_cache import KVCacheManager
-from servefleet.engine.sampler import choose_token
+from servefleet.engine.sampler import choose_token, draw_token
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
 from servefleet.engine.sequence import Sequence
 from servefleet.engine.spec.ngram import propose_ngram
 from servefleet.engine.spec.speculator import Speculator
-from servefleet.engine.spec.verify import verify_drafts
+from servefleet.engine.spec.verify import (
+    DRAFT_STREAM,
+    Proposal,
+    request_probs,
+    stream_uniform,
+    verify_drafts,
+)
 from tests.test_sampler import ALPHA, chi_square_df4_p_value
 
 BS = 4
@@ -104,6 +110,45 @@ def test_verification_keeps_the_target_distribution() -> None:
         tokens, _ = verify_drafts(logits, [seq], [[3]])
         counts[tokens[0][0]] += 1
     assert chi_square_df4_p_value(counts, [float(p) * draws for p in probs]) > ALPHA, counts
+
+
+def test_sampled_proposals_keep_the_target_distribution() -> None:
+    """x ~ q, accepted with probability min(1, p(x)/q(x)), else redrawn from
+    normalize(max(0, p - q)): over 4 000 seeds the first emitted token follows p (chi-square
+    at ALPHA), and x is accepted with probability sum(min(p, q)), not p(x) of a point mass."""
+    p_logits = torch.tensor([0.05, 0.1, 0.2, 0.25, 0.4]).log()
+    q = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1])
+    logits = torch.stack([p_logits, p_logits])
+    counts, accepted = [0] * 5, 0
+    draws = 4_000
+    for seed in range(draws):
+        seq = Sequence([1], SamplingParams(temperature=1.0, seed=seed), 0.0)
+        proposal = Proposal([draw_token(q, stream_uniform(seq, DRAFT_STREAM, 0))])
+        proposal.probs.append(q)
+        tokens, _ = verify_drafts(logits.clone(), [seq], [proposal])
+        counts[tokens[0][0]] += 1
+        accepted += len(tokens[0]) == 2
+    p = p_logits.exp()
+    assert chi_square_df4_p_value(counts, [float(x) * draws for x in p]) > ALPHA, counts
+    overlap = float(torch.minimum(p, q).sum())
+    assert abs(accepted / draws - overlap) < 4 * (overlap * (1 - overlap) / draws) ** 0.5
+
+
+def test_a_sampled_proposal_equal_to_the_target_is_always_accepted() -> None:
+    """q == p: min(1, p/q) = 1 at every position, then the bonus token as a plain step."""
+    torch.manual_seed(2)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, frequency_penalty=0.3)
+    for trial in range(20):
+        logits = torch.randn(4, 12)
+        seq = Sequence([1, 2], params, 0.0, output_token_ids=[trial % 12])
+        proposal = Proposal()
+        for row in range(3):
+            q = request_probs(logits[row], seq, proposal)
+            proposal.probs.append(q)
+            proposal.append(draw_token(q, stream_uniform(seq, DRAFT_STREAM, row)))
+        tokens, _ = verify_drafts(logits.clone(), [seq], [proposal])
+        assert tokens[0][:3] == proposal
+        assert tokens[0][3] == choose_token(logits[3], seq, proposal)
 
 
 def _scheduler(speculator: Speculator, num_blocks: int = 64) -> Scheduler:

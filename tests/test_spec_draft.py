@@ -5,6 +5,7 @@ KV roll-back and no leaks, and the target distribution kept under sampling."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,12 +77,16 @@ def draft_config(**overrides: object) -> SpeculativeConfig:
 
 
 def make_scheduler(
-    target: LlamaForCausalLM, draft: LlamaForCausalLM | None, config: SpeculativeConfig
+    target: LlamaForCausalLM,
+    draft: LlamaForCausalLM | None,
+    config: SpeculativeConfig,
+    sample_proposals: bool = True,
 ) -> tuple[Scheduler, ModelRunner]:
     speculator = None
     if draft is not None:
         caches = allocate_kv_cache(TINY, NUM_BLOCKS, BS, torch.float32, CPU)
-        proposer = DraftProposer(draft, caches, KVCacheManager(NUM_BLOCKS, BS, False), CPU)
+        manager = KVCacheManager(NUM_BLOCKS, BS, False)
+        proposer = DraftProposer(draft, caches, manager, CPU, sample_proposals=sample_proposals)
         speculator = Speculator(config, 4096, proposer)
     kv = allocate_kv_cache(TINY, NUM_BLOCKS, BS, torch.float32, CPU)
     scheduler = Scheduler(
@@ -159,6 +164,35 @@ def test_greedy_outputs_are_exact_alone_and_batched_and_blocks_come_back(noise: 
         scheduler.speculator.draft.check_all_free()
 
 
+def test_seeded_sampling_with_argmax_proposals_equals_a_plain_run() -> None:
+    """The default (`draft_proposals: argmax`) keeps a seeded answer a pure function of
+    (seed, position): alone, batched and without speculation alike, which is what lets the
+    gateway continue a sampled stream on another replica token for token."""
+    assert draft_config().draft_proposals == "argmax"
+    target = random_model(1)
+    draft = random_model(2, 0.05, like=target)
+    texts = prompts(5)
+
+    def seqs() -> list[Sequence]:
+        return [
+            Sequence(p, SamplingParams(max_tokens=20, temperature=0.9, seed=7 + i), float(i))
+            for i, p in enumerate(texts)
+        ]
+
+    plain = run(*make_scheduler(target, None, draft_config()), seqs())
+    for batched in (False, True):
+        scheduler, runner = make_scheduler(target, draft, draft_config(), False)
+        todo = seqs()
+        out = (
+            run(scheduler, runner, todo)
+            if batched
+            else [run(scheduler, runner, [s])[0] for s in todo]
+        )
+        assert out == plain
+        assert scheduler.speculator is not None
+        assert scheduler.speculator.take_stats().num_draft_tokens > 0  # it did speculate
+
+
 def next_token_probs(model: LlamaForCausalLM, token_lists: list[list[int]]) -> torch.Tensor:
     """Softmax of the last position's logits of each list, each its own prefill span."""
     width = max(len(t) for t in token_lists)
@@ -183,8 +217,10 @@ def next_token_probs(model: LlamaForCausalLM, token_lists: list[list[int]]) -> t
         return torch.softmax(model.compute_logits(hidden[last]), dim=-1)
 
 
-def test_sampling_with_a_draft_keeps_the_target_distribution() -> None:
-    """Temperature 1, a draft that agrees only partly: the first verified token's marginal
+@pytest.mark.parametrize("sample_proposals", [True, False], ids=["sampled", "argmax"])
+def test_sampling_with_a_draft_keeps_the_target_distribution(sample_proposals: bool) -> None:
+    """Temperature 1, a draft that agrees only partly, proposing draws from its own q
+    (speculative sampling) or its argmax (a point mass): the second output token's marginal
     over many seeds matches the target's exact one (sum over the first token), chi-square
     at ALPHA over 5 buckets of the vocabulary."""
     target = random_model(4, scale=0.6)
@@ -197,7 +233,8 @@ def test_sampling_with_a_draft_keeps_the_target_distribution() -> None:
     params = [
         SamplingParams(max_tokens=4, temperature=1.0, seed=s, ignore_eos=True) for s in range(draws)
     ]
-    scheduler, runner = make_scheduler(target, draft, draft_config(num_speculative_tokens=2))
+    config = draft_config(num_speculative_tokens=2)
+    scheduler, runner = make_scheduler(target, draft, config, sample_proposals)
     outputs = run(scheduler, runner, [Sequence(prompt, p, 0.0) for p in params])
     counts = [0] * 5
     for tokens in outputs:
@@ -207,3 +244,35 @@ def test_sampling_with_a_draft_keeps_the_target_distribution() -> None:
     assert scheduler.speculator is not None
     stats = scheduler.speculator.take_stats()
     assert stats.num_drafts >= draws and stats.num_accepted_tokens > 50, stats
+
+
+def acceptance(scheduler: Scheduler) -> float:
+    assert scheduler.speculator is not None
+    stats = scheduler.speculator.take_stats()
+    return stats.num_accepted_tokens / stats.num_draft_tokens
+
+
+def test_sampled_self_draft_is_accepted_almost_always_and_outputs_repeat() -> None:
+    """Temperature 1, the target as its own draft: q == p up to rounding, so sampled
+    proposals are (nearly) all accepted, where argmax proposals are accepted with
+    probability p(argmax) only. Seeded outputs repeat alone and batched, and every block of
+    both caches comes back."""
+    target = random_model(4, scale=0.6)
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    texts = prompts(6)
+    rates, outputs = {}, []
+    for sample_proposals, batched in ((False, True), (True, True), (True, False)):
+        scheduler, runner = make_scheduler(target, target, draft_config(), sample_proposals)
+        seqs = [Sequence(p, replace(sampled, seed=i), 0.0) for i, p in enumerate(texts)]
+        if batched:
+            out = run(scheduler, runner, seqs)
+        else:
+            out = [run(scheduler, runner, [s])[0] for s in seqs]
+        rates[sample_proposals] = acceptance(scheduler)
+        if sample_proposals:
+            outputs.append(out)
+        scheduler.kv_cache.check_all_free()
+        assert scheduler.speculator is not None and scheduler.speculator.draft is not None
+        scheduler.speculator.draft.check_all_free()
+    assert rates[True] > 0.97 and rates[False] < rates[True] - 0.2, rates
+    assert outputs[0] == outputs[1]

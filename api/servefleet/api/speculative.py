@@ -22,7 +22,7 @@ class SpeculativeConfig(BaseModel):
 
     method: Literal["ngram", "draft_model"] = Field(
         description="ngram: prompt lookup, proposals copied from the sequence's own tokens; "
-        "draft_model: greedy proposals of the smaller model `model`."
+        "draft_model: proposals of the smaller model `model`."
     )
     model: str | None = Field(
         default=None,
@@ -41,6 +41,14 @@ class SpeculativeConfig(BaseModel):
         ge=1,
         description="No speculation in a step with more running sequences than this: the "
         "weights are read once per step anyway, so extra rows are not free there.",
+    )
+    draft_proposals: Literal["argmax", "sampled"] = Field(
+        default="argmax",
+        description="draft_model, sampled requests: argmax keeps every sampled token a pure "
+        "function of (seed, position), so a seeded answer is the same alone or batched, with "
+        "or without speculation, and after a mid-stream continuation; sampled proposals (from "
+        "the draft's own distribution, verified by speculative sampling) are accepted more "
+        "often, but a seeded answer then depends on where the speculation windows fell.",
     )
     min_acceptance_rate: float = Field(
         default=0.1,

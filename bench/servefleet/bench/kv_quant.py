@@ -4,11 +4,12 @@ Capacity is the engine's own arithmetic (`kv_bytes_per_block`: int8 rows carry a
 scale per token and kv head): blocks in `--cache-mib`, and how many sequences of
 `PROMPT_TOKENS + steps` tokens fit at once. Speed is greedy decode tok/s at concurrency 1 and
 16 over the same prompts, the model loaded as `servefleet engine` loads it (packed weights, C
-matmuls and C attention); an int8 cache skips the fused RoPE/KV-write ops and the one-call
-decode program, which write float caches only.
+matmuls and C attention, fused RoPE/KV-write ops and the one-call decode program, which
+quantize int8 rows on write). Each figure is the best of `--repeats` runs, the dtypes
+interleaved, so a load spike on a shared machine does not land on one dtype only.
 
-    uv run python -m servefleet.bench.kv_quant [--cache-mib 256] [--steps 32] \
-        [--out bench/results/kv_quant]
+    uv run python -m servefleet.bench.kv_quant [--cache-mib 256] [--steps 32] [--repeats 3] \
+        [--threads N] [--out bench/results/kv_quant]
 """
 
 from __future__ import annotations
@@ -43,11 +44,28 @@ def capacity(config: object, dtype: str, cache_bytes: int) -> dict[str, int]:
     }
 
 
-def run(cache_mib: int, steps: int, out: Path) -> dict[str, object]:
+def best_tok_s(model: object, steps: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Best decode tok/s per dtype and concurrency over `repeats` interleaved runs."""
+    best: dict[str, dict[str, float]] = {d: {} for d in DTYPES}
+    for _ in range(repeats):
+        for concurrency in CONCURRENCIES:
+            for dtype in DTYPES:
+                key = f"decode_tok_s_c{concurrency}"
+                tok_s = concurrency * steps / decode_seconds(model, concurrency, steps, dtype)
+                best[dtype][key] = round(max(best[dtype].get(key, 0.0), tok_s), 2)
+    return best
+
+
+def run(
+    cache_mib: int, steps: int, out: Path, repeats: int = 3, threads: int | None = None
+) -> dict[str, object]:
     from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     import torch
+
+    if threads:  # one thread: no OpenMP team spinning against other jobs on a shared box
+        torch.set_num_threads(threads)
 
     from servefleet.engine.config import EngineConfig
     from servefleet.engine.process import load_for
@@ -55,18 +73,18 @@ def run(cache_mib: int, steps: int, out: Path) -> dict[str, object]:
     loaded = load_for(EngineConfig(model=BUILTIN))
     results: dict[str, dict[str, object]] = {}
     with torch.inference_mode():
-        for dtype in DTYPES:
-            row: dict[str, object] = dict(capacity(loaded.config, dtype, cache_mib << 20))
-            for concurrency in CONCURRENCIES:
-                seconds = decode_seconds(loaded.model, concurrency, steps, dtype)
-                row[f"decode_tok_s_c{concurrency}"] = round(concurrency * steps / seconds, 2)
-            results[dtype] = row
+        speeds = best_tok_s(loaded.model, steps, repeats)
+    for dtype in DTYPES:
+        row: dict[str, object] = dict(capacity(loaded.config, dtype, cache_mib << 20))
+        row.update(speeds[dtype])
+        results[dtype] = row
     base, int8 = results["float32"], results["int8"]
     summary: dict[str, object] = {
         "model": BUILTIN,
         "cache_mib": cache_mib,
         "sequence_tokens": SEQUENCE_TOKENS,
         "decode_steps": steps,
+        "repeats": repeats,
         "threads": torch.get_num_threads(),
         "dtypes": results,
         "int8_over_float32": {
@@ -109,9 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-mib", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; best kept")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv_quant"))
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.cache_mib, args.steps, args.out)["int8_over_float32"]))
+    summary = run(args.cache_mib, args.steps, args.out, args.repeats, args.threads)
+    print(json.dumps(summary["int8_over_float32"]))
 
 
 if __name__ == "__main__":

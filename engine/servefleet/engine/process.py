@@ -200,7 +200,14 @@ def build_speculator(
     if spec.method != "draft_model" or spec.model is None:
         return Speculator(spec, max_rows)
     draft = draft or load_for(config.model_copy(update={"model": spec.model}))
-    proposer = build_draft_proposer(draft, loaded, kv_cache[0], config.block_size, kv_cache[1])
+    proposer = build_draft_proposer(
+        draft,
+        loaded,
+        kv_cache[0],
+        config.block_size,
+        kv_cache[1],
+        sample_proposals=spec.draft_proposals == "sampled",
+    )
     return Speculator(spec, max_rows, proposer)
 
 

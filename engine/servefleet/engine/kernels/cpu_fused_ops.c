@@ -9,7 +9,8 @@
  *   sf_silu_mul      out = silu(gate) * up, from the fused gate_up projection's output
  *   sf_rope_kv       rotate q and k in place (rotate_half convention), then write the
  *                    rotated k and the v of every token into its KV-cache slot
- *                    (float32, or float16 rounded to nearest even as torch does)
+ *                    (float32, float16 rounded to nearest even as torch does, or int8
+ *                    rows quantized with their scale inline, as kv_quant.py does)
  *
  * Every row is computed on its own, in a fixed order, so a row's result does not
  * depend on the other rows of the batch.
@@ -98,16 +99,81 @@ static inline uint16_t sf_float_to_half(float f) {
 #endif
 }
 
+/* Cache kinds: the attention kernel's codes (cpu_paged_decode.c), so the one-call step
+ * hands the same value to both. */
+#define SF_KV_F32 0
+#define SF_KV_F16 2
+#define SF_KV_I8 3
+#define SF_I8_SCALE_BYTES 4
+
+/* q rounded half to even, without libm: adding then subtracting 1.5·2^23 leaves the
+ * nearest integer in the default rounding mode (exact for |q| < 2^22; anything larger is
+ * clamped to ±127 by the caller anyway). No -fassociative-math here, so it stays. */
+static inline float sf_round_even(float q) {
+    const float magic = 12582912.0f;
+    return (q + magic) - magic;
+}
+
+/* x[hd] -> hd int8 values, then the row's float32 scale: kv_quant.quantize_rows bit for
+ * bit (scale = max|x| / 127, q = x / scale rounded half to even, clamped to ±127; an
+ * all-zero row divides by 1). A NaN makes the scale NaN, as torch's amax does. */
+static inline void sf_quantize_row(const float *restrict x, int64_t hd, int8_t *restrict out) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < hd; i++) {
+        const float a = fabsf(x[i]);
+        amax = (a > amax || a != a) ? a : amax;
+    }
+    const float scale = amax / 127.0f;
+    const float safe = scale > 0.0f ? scale : 1.0f;
+    for (int64_t i = 0; i < hd; i++) {
+        float q = sf_round_even(x[i] / safe);
+        q = q > 127.0f ? 127.0f : q;
+        q = q < -127.0f ? -127.0f : q;
+        out[i] = q == q ? (int8_t)q : 0;
+    }
+    memcpy(out + hd, &scale, sizeof scale);
+}
+
+/* One token's k and v (kv_heads × hd floats each) into cache slot `slot`. */
+static inline void sf_store_kv(const float *restrict k, const float *restrict v,
+                               void *restrict k_cache, void *restrict v_cache, int cache_kind,
+                               int64_t slot, int64_t kv_heads, int64_t head_dim) {
+    const int64_t kv_width = kv_heads * head_dim;
+    if (cache_kind == SF_KV_I8) {
+        const int64_t row = head_dim + SF_I8_SCALE_BYTES;
+        int8_t *restrict kd = (int8_t *)k_cache + slot * kv_heads * row;
+        int8_t *restrict vd = (int8_t *)v_cache + slot * kv_heads * row;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            sf_quantize_row(k + h * head_dim, head_dim, kd + h * row);
+            sf_quantize_row(v + h * head_dim, head_dim, vd + h * row);
+        }
+    } else if (cache_kind == SF_KV_F16) {
+        uint16_t *restrict kd = (uint16_t *)k_cache + slot * kv_width;
+        uint16_t *restrict vd = (uint16_t *)v_cache + slot * kv_width;
+        for (int64_t i = 0; i < kv_width; i++) {
+            kd[i] = sf_float_to_half(k[i]);
+            vd[i] = sf_float_to_half(v[i]);
+        }
+    } else {
+        float *restrict kd = (float *)k_cache + slot * kv_width;
+        float *restrict vd = (float *)v_cache + slot * kv_width;
+        memcpy(kd, k, (size_t)kv_width * sizeof(float));
+        memcpy(vd, v, (size_t)kv_width * sizeof(float));
+    }
+}
+
 /* qkv[tokens, row_stride]: q heads, then k heads, then v heads (head_dim each).
- * cos/sin[table_rows, head_dim]; caches [num_slots, kv_heads, head_dim], float32
- * (cache_f16 = 0) or float16 (1); slots[tokens]. Returns 0, 1 when a position is outside
- * the table, 2 when a slot is outside the cache. */
+ * cos/sin[table_rows, head_dim]; caches [num_slots, kv_heads, row] of `cache_kind`
+ * (SF_KV_*; row = head_dim, or head_dim + 4 for int8); slots[tokens]. Returns 0, 1 when
+ * a position is outside the table, 2 when a slot is outside the cache, 3 for an unknown
+ * cache kind. */
 int sf_rope_kv(float *restrict qkv, int64_t tokens, int64_t row_stride, int64_t heads,
                int64_t kv_heads, int64_t head_dim, const int64_t *restrict positions,
                const float *restrict cos_table, const float *restrict sin_table,
                int64_t table_rows, void *restrict k_cache, void *restrict v_cache,
-               int cache_f16, const int64_t *restrict slots, int64_t num_slots) {
+               int cache_kind, const int64_t *restrict slots, int64_t num_slots) {
     const int64_t half = head_dim / 2, kv_width = kv_heads * head_dim;
+    if (cache_kind != SF_KV_F32 && cache_kind != SF_KV_F16 && cache_kind != SF_KV_I8) return 3;
     for (int64_t t = 0; t < tokens; t++) {
         if (positions[t] < 0 || positions[t] >= table_rows) return 1;
         if (slots[t] < 0 || slots[t] >= num_slots) return 2;
@@ -125,22 +191,8 @@ int sf_rope_kv(float *restrict qkv, int64_t tokens, int64_t row_stride, int64_t 
             }
         }
         const float *restrict k = row + heads * head_dim;
-        const float *restrict v = k + kv_width;
-        if (cache_f16) {
-            uint16_t *restrict kd = (uint16_t *)k_cache + slots[t] * kv_width;
-            uint16_t *restrict vd = (uint16_t *)v_cache + slots[t] * kv_width;
-            for (int64_t i = 0; i < kv_width; i++) {
-                kd[i] = sf_float_to_half(k[i]);
-                vd[i] = sf_float_to_half(v[i]);
-            }
-        } else {
-            float *restrict kd = (float *)k_cache + slots[t] * kv_width;
-            float *restrict vd = (float *)v_cache + slots[t] * kv_width;
-            for (int64_t i = 0; i < kv_width; i++) {
-                kd[i] = k[i];
-                vd[i] = v[i];
-            }
-        }
+        sf_store_kv(k, k + kv_width, k_cache, v_cache, cache_kind, slots[t], kv_heads,
+                    head_dim);
     }
     return 0;
 }
@@ -182,11 +234,11 @@ typedef struct {
     sf_packed_mm_fn packed_mm;
     sf_paged_decode_fn paged_decode;
     float eps, scale;
-    int32_t cache_f16; /* 0: float32 caches, 1: float16 */
+    int32_t cache_kind; /* SF_KV_*: float32, float16 or int8 caches */
 } sf_model;
 
 /* hidden [D, hidden] (the token embeddings; updated in place as the residual stream),
- * out [D, hidden] = the final-normed hidden states. Returns 0; 1/2: rope_kv's errors;
+ * out [D, hidden] = the final-normed hidden states. Returns 0; 1/2/3: rope_kv's errors;
  * 10 + c: a packed matmul's error c; 20 + c: the attention kernel's error c; 30: no memory. */
 int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, float *out,
                      int64_t rows, const int64_t *positions, const int64_t *slots,
@@ -200,7 +252,6 @@ int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, f
     float *x = work, *qkv = x + rows * H, *q = qkv + rows * qkv_width, *attn = q + rows * q_width;
     float *attn_out = attn + rows * q_width, *gate_up = attn_out + rows * H;
     float *act = gate_up + rows * 2 * I, *delta = act + rows * I;
-    const int cache_kind = m->cache_f16 ? 2 : 0; /* the attention kernel's code for the dtype */
     const int64_t num_slots = m->num_blocks * m->block_size;
     int status = 0;
     for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
@@ -212,12 +263,12 @@ int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, f
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t c = 0; c < qkv_width; c++) qkv[r * qkv_width + c] += L->qkv_bias[c];
         status = sf_rope_kv(qkv, rows, qkv_width, m->heads, m->kv_heads, hd, positions, m->cos,
-                            m->sin, m->table_rows, L->k_cache, L->v_cache, m->cache_f16, slots,
+                            m->sin, m->table_rows, L->k_cache, L->v_cache, m->cache_kind, slots,
                             num_slots);
         if (status) break;
         for (int64_t r = 0; r < rows; r++)
             memcpy(q + r * q_width, qkv + r * qkv_width, (size_t)q_width * sizeof(float));
-        status = m->paged_decode(q, L->k_cache, L->v_cache, cache_kind, block_tables,
+        status = m->paged_decode(q, L->k_cache, L->v_cache, m->cache_kind, block_tables,
                                  context_lens, attn, rows, m->heads, m->kv_heads, hd,
                                  m->block_size, m->num_blocks, max_blocks, m->scale, num_threads);
         if (status) { status += 20; break; }

@@ -3,7 +3,10 @@
 PyTorch runs rms_norm as six dispatched ops, RoPE plus the KV-cache write as six more
 and SwiGLU as three; at decode sizes (16 rows) their dispatch costs ~8 ms of a ~40 ms
 step. These calls do the same arithmetic in one pass each. The model uses them only when every
-tensor is float32, contiguous and on the CPU, and keeps its PyTorch path otherwise.
+tensor is float32, contiguous and on the CPU, and keeps its PyTorch path otherwise. The KV
+write takes float32, float16 and int8 caches (int8 quantized on write exactly as
+`kv_quant.quantize_rows` does), so a quantized cache keeps the fused path. The one-call
+decode step over these ops is `decode_layers`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import torch
 
 from servefleet.engine.kernels import cbuild
 from servefleet.engine.kernels.cbuild import KernelBuildError
-from servefleet.engine.kernels.cpu_paged_decode import ERROR_MESSAGES as ATTENTION_ERRORS
-from servefleet.engine.kernels.packed_weights import PackedWeight
+from servefleet.engine.kernels.cpu_paged_decode import CACHE_KINDS
+from servefleet.engine.kv_quant import row_width
 
 logger = logging.getLogger("servefleet.engine.kernels")
 
@@ -34,13 +37,16 @@ _I = ctypes.c_int64
 ROPE_ERRORS = {
     1: "a position is outside the rope table (longer than max_model_len?)",
     2: "a KV-cache slot is outside the cache",
+    3: "unsupported KV-cache dtype",
 }
 
 
-_CACHE_DTYPES = (torch.float32, torch.float16)
+# What sf_rope_kv writes; int8 rows carry their scale inline (kv_quant).
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)
 
 
-def _is_f32(t: torch.Tensor) -> bool:
+def is_f32(t: torch.Tensor) -> bool:
+    """A float32, contiguous CPU tensor: what the C code reads through a raw pointer."""
     return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
 
 
@@ -51,11 +57,11 @@ class CpuFusedOps:
 
     def supports(self, *tensors: torch.Tensor) -> bool:
         """True when the fused ops can take these tensors (float32, CPU, contiguous)."""
-        return all(_is_f32(t) for t in tensors)
+        return all(is_f32(t) for t in tensors)
 
     @staticmethod
     def supports_cache(cache: torch.Tensor) -> bool:
-        """KV caches rope_kv writes: float32 or float16, contiguous, on the CPU."""
+        """KV caches rope_kv writes: float32, float16 or int8, contiguous, on the CPU."""
         return cache.dtype in _CACHE_DTYPES and cache.is_cpu and cache.is_contiguous()
 
     def add_rms_norm(
@@ -67,8 +73,8 @@ class CpuFusedOps:
     ) -> torch.Tensor:
         """`hidden += delta` in place (when given), then rms_norm(hidden) * weight."""
         rows, dim = hidden.shape
-        if not (_is_f32(hidden) and _is_f32(weight) and weight.shape == (dim,)) or (
-            delta is not None and not (_is_f32(delta) and delta.shape == hidden.shape)
+        if not (is_f32(hidden) and is_f32(weight) and weight.shape == (dim,)) or (
+            delta is not None and not (is_f32(delta) and delta.shape == hidden.shape)
         ):
             raise ValueError("add_rms_norm: float32 contiguous CPU tensors of matching shapes")
         out = torch.empty_like(hidden)
@@ -86,7 +92,7 @@ class CpuFusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2·I] = [gate | up]; returns [T, I]."""
         rows, width = gate_up.shape
-        if not _is_f32(gate_up) or width % 2:
+        if not is_f32(gate_up) or width % 2:
             raise ValueError("silu_mul: a contiguous float32 CPU [T, 2·I] tensor")
         out = torch.empty(rows, width // 2)
         self.library.sf_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
@@ -106,7 +112,7 @@ class CpuFusedOps:
         slots: torch.Tensor,
     ) -> None:
         """Rotate q and k of `qkv` [T, (H + 2·KVH)·hd] in place and store k, v in the cache."""
-        if not _is_f32(qkv) or qkv.dim() != 2:
+        if not is_f32(qkv) or qkv.dim() != 2:
             raise ValueError("rope_kv: qkv must be a contiguous float32 CPU [T, width] tensor")
         self.check_rope_kv(
             qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim, positions, cos, sin,
@@ -136,12 +142,13 @@ class CpuFusedOps:
             raise ValueError(f"rope_kv: qkv width {width} does not match the heads")
         first = caches[0][0]
         if not (
-            _is_f32(cos) and _is_f32(sin) and cos.shape == sin.shape and cos.dim() == 2
+            is_f32(cos) and is_f32(sin) and cos.shape == sin.shape and cos.dim() == 2
             and cos.shape[-1] == head_dim
             and positions.dtype == torch.int64 and slots.dtype == torch.int64
             and positions.shape == (tokens,) and slots.shape == (tokens,)
             and positions.is_contiguous() and slots.is_contiguous()
-            and first.shape[-1] == head_dim and first.shape[-2] == num_kv_heads
+            and first.shape[-1] == row_width(head_dim, first.dtype)
+            and first.shape[-2] == num_kv_heads
             and all(
                 self.supports_cache(c) and c.dtype == first.dtype and c.shape == first.shape
                 for pair in caches for c in pair
@@ -167,8 +174,8 @@ class CpuFusedOps:
         status = self.library.sf_rope_kv(
             qkv.data_ptr(), tokens, width, num_heads, num_kv_heads, head_dim,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-            k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float16),
-            slots.data_ptr(), k_cache.numel() // (num_kv_heads * head_dim),
+            k_cache.data_ptr(), v_cache.data_ptr(), CACHE_KINDS[k_cache.dtype],
+            slots.data_ptr(), k_cache.numel() // (num_kv_heads * k_cache.shape[-1]),
         )  # fmt: skip
         if status:
             raise ValueError(f"rope_kv: {ROPE_ERRORS.get(status, f'error {status}')}")
@@ -199,194 +206,3 @@ def load_cpu_fused_ops() -> CpuFusedOps | None:
         logger.warning("CPU fused ops unavailable, using PyTorch ops: %s", exc)
         return None
     return CpuFusedOps(library=library, path=path)
-
-
-class _Packed(ctypes.Structure):
-    _fields_ = [("data", _P), ("formats", _P), ("offsets", _P)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _P),
-        ("post_norm", _P),
-        ("qkv", _Packed),
-        ("o", _Packed),
-        ("gate_up", _Packed),
-        ("down", _Packed),
-        ("qkv_bias", _P),
-        ("o_bias", _P),
-        ("k_cache", _P),
-        ("v_cache", _P),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", _I),
-        ("hidden", _I),
-        ("heads", _I),
-        ("kv_heads", _I),
-        ("head_dim", _I),
-        ("inter", _I),
-        ("block_size", _I),
-        ("num_blocks", _I),
-        ("table_rows", _I),
-        ("cos", _P),
-        ("sin", _P),
-        ("final_norm", _P),
-        ("packed_mm", _P),
-        ("paged_decode", _P),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("cache_f16", ctypes.c_int32),
-    ]
-
-
-DECODE_LAYERS_ERRORS = {
-    1: "a position is outside the rope table",
-    2: "a KV-cache slot is outside the cache",
-    30: "out of memory for the step's buffers",
-}
-
-
-@dataclass(frozen=True)
-class LayerTensors:
-    """One decoder layer's tensors for `DecodeLayers` (packed weights as uint8 data)."""
-
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    qkv: PackedWeight
-    o: PackedWeight
-    gate_up: PackedWeight
-    down: PackedWeight
-    qkv_bias: torch.Tensor | None
-    o_bias: torch.Tensor | None
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
-    scale: float
-
-
-class DecodeLayers:
-    """Every layer of a pure decode step (plus the final norm) in one C call.
-
-    Built once per (model, KV cache): it holds the raw addresses of the weights, caches
-    and rope tables, so it keeps references to all of them. Runs exactly the kernels the
-    model's fused Python path runs, in the same order, so the results are the same bits.
-    """
-
-    def __init__(
-        self,
-        ops: CpuFusedOps,
-        shape: ModelShape,
-        layers: Sequence[LayerTensors],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        final_norm: torch.Tensor,
-        packed_mm: ctypes.CDLL,
-        paged_decode: ctypes.CDLL,
-    ) -> None:
-        first = layers[0].k_cache
-        for t in (cos, sin, final_norm):
-            if not _is_f32(t):
-                raise ValueError("decode layers: rope tables and norms must be float32")
-        for layer in layers:
-            if not all(_same_cache(c, first) for c in (layer.k_cache, layer.v_cache)) or not all(
-                _is_f32(t) for t in (layer.input_norm, layer.post_norm)
-            ):
-                raise ValueError("decode layers: caches and norms of one dtype and shape")
-        self._ops = ops
-        self._keep = (layers, cos, sin, final_norm)  # the C side holds their addresses
-        self.shape = shape
-        self.cache_shape = tuple(first.shape)
-        self.cache_dtype = first.dtype
-        array = (_Layer * len(layers))()
-        for slot, layer in zip(array, layers, strict=True):
-            slot.input_norm = layer.input_norm.data_ptr()
-            slot.post_norm = layer.post_norm.data_ptr()
-            for name in ("qkv", "o", "gate_up", "down"):
-                weight: PackedWeight = getattr(layer, name)
-                packed = _Packed(
-                    weight.data.data_ptr(), weight.formats.data_ptr(), weight.offsets.data_ptr()
-                )
-                setattr(slot, name, packed)
-            slot.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
-            slot.o_bias = None if layer.o_bias is None else layer.o_bias.data_ptr()
-            slot.k_cache = layer.k_cache.data_ptr()
-            slot.v_cache = layer.v_cache.data_ptr()
-        self._layers = array
-        self._model = _Model(
-            num_layers=len(layers),
-            hidden=shape.hidden,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            head_dim=shape.head_dim,
-            inter=shape.intermediate,
-            block_size=first.shape[1],
-            num_blocks=first.shape[0],
-            table_rows=cos.shape[0],
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
-            final_norm=final_norm.data_ptr(),
-            packed_mm=ctypes.cast(packed_mm.sf_packed_mm, ctypes.c_void_p).value,
-            paged_decode=ctypes.cast(paged_decode.sf_paged_decode, ctypes.c_void_p).value,
-            eps=shape.eps,
-            scale=shape.scale,
-            cache_f16=int(first.dtype == torch.float16),
-        )
-
-    def run(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """hidden: the step's token embeddings [D, hidden] (used as the residual stream);
-        returns the final-normed hidden states [D, hidden]."""
-        rows = hidden.shape[0]
-        if not (
-            _is_f32(hidden) and hidden.shape[1] == self.shape.hidden
-            and positions.dtype == torch.int64 and slots.dtype == torch.int64
-            and positions.shape == (rows,) and slots.shape == (rows,)
-            and positions.is_contiguous() and slots.is_contiguous()
-            and block_tables.dtype == torch.int32 and block_tables.dim() == 2
-            and block_tables.shape[0] == rows and block_tables.is_contiguous()
-            and context_lens.dtype == torch.int32 and context_lens.shape == (rows,)
-            and context_lens.is_contiguous()
-        ):  # fmt: skip
-            raise ValueError("decode layers: step tensors of the wrong dtype, layout or shape")
-        out = torch.empty_like(hidden)
-        status = self._ops.library.sf_decode_layers(
-            ctypes.byref(self._model), ctypes.cast(self._layers, ctypes.c_void_p),
-            hidden.data_ptr(), out.data_ptr(), rows,
-            positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), block_tables.shape[1], torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            if status >= 20:
-                reason = f"attention: {ATTENTION_ERRORS.get(status - 20, status - 20)}"
-            elif status >= 10:
-                reason = f"packed matmul error {status - 10}"
-            else:
-                reason = DECODE_LAYERS_ERRORS.get(status, f"error {status}")
-            raise ValueError(f"decode layers: {reason}")
-        return out
-
-
-def _same_cache(cache: torch.Tensor, first: torch.Tensor) -> bool:
-    return (
-        CpuFusedOps.supports_cache(cache)
-        and cache.dtype == first.dtype
-        and cache.shape == first.shape
-    )

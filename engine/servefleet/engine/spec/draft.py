@@ -1,4 +1,4 @@
-"""Draft-model proposals: a smaller model of the same vocabulary writes k greedy tokens.
+"""Draft-model proposals: a smaller model of the same vocabulary writes k tokens.
 
 The draft keeps a shadow of each target sequence (the target's tokens, then its own
 proposals) in a paged KV cache of its own: its own block pool and cache tensors, with
@@ -7,10 +7,14 @@ hold too. Each step the shadow is synced with the target: proposals the target a
 keep their KV, the rest is rolled back, and tokens the draft has not seen yet (the
 prompt, the target's own tokens) are caught up in the first of the k draft passes.
 
-Proposals are greedy, so the proposal is a deterministic function of the tokens; the
-verifier's rule (accept while the target's own draw at that position equals the
-proposal) is then rejection sampling with a one-hot draft distribution, min(1, p/q) =
-p(proposal), and every output is exactly what the target alone would write.
+For a greedy request the proposals are the draft's argmax, a deterministic function of
+the tokens: verification accepts while the target's own token equals them, so outputs are
+exactly what the target alone writes. For a sampled request the draft draws each proposal
+from its own distribution q, processed as the target processes its rows (logit bias,
+penalties, temperature, top-k/top-p; `verify.request_probs`) with a counter-based uniform
+of its own stream, and hands q to verification (`verify.Proposal`), which applies standard
+speculative sampling: a draft that resembles the target is accepted with probability
+sum(min(p, q)) per token instead of p(argmax q).
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import torch
 
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.runner import CausalLM, ModelRunner
+from servefleet.engine.sampler import draw_token
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from servefleet.engine.sequence import Sequence
+from servefleet.engine.spec.verify import DRAFT_STREAM, Proposal, request_probs, stream_uniform
 
 DRAFT_PARAMS = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
 
@@ -41,16 +47,20 @@ class DraftProposer:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_cache: KVCacheManager,
         device: torch.device,
+        *,
+        sample_proposals: bool = False,
     ) -> None:
         self.runner = ModelRunner(model, kv_caches, kv_cache.block_size, device)
+        self.model = model
         self.kv_cache = kv_cache
+        self.sample_proposals = sample_proposals  # False: argmax proposals for every request
         self._shadows: dict[int, _Shadow] = {}  # by the target's seq_id
 
-    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Up to `limit` greedy proposals for each (target sequence, limit), in one batched
-        draft pass per proposed position."""
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[Proposal]:
+        """Up to `limit` proposals for each (target sequence, limit), in one batched draft
+        pass per proposed position: argmax for greedy requests, sampled (with q) otherwise."""
         shadows = [self._sync(seq) for seq, _ in requests]
-        drafts: list[list[int]] = [[] for _ in requests]
+        drafts = [Proposal() for _ in requests]
         for _ in range(max((limit for _, limit in requests), default=0)):
             out = SchedulerOutput()
             for (seq, limit), shadow, draft in zip(requests, shadows, drafts, strict=True):
@@ -60,16 +70,39 @@ class DraftProposer:
                         (out.decodes if chunk.num_new_tokens == 1 else out.prefills).append(chunk)
             if out.is_empty:
                 break
-            result = self.runner.execute(out)
-            tokens = result.token_by_seq_id()
+            logits = self._logits(out)
             for chunk in out.chunks:
                 chunk.seq.num_computed_tokens += chunk.num_new_tokens
-            for shadow, draft in zip(shadows, drafts, strict=True):
-                new = tokens.get(shadow.seq.seq_id)
-                if new:
-                    shadow.seq.token_ids.append(new[0])
-                    draft.append(new[0])
+            for (seq, _), shadow, draft in zip(requests, shadows, drafts, strict=True):
+                row = logits.get(shadow.seq.seq_id)
+                if row is not None:
+                    token = self._choose(seq, draft, row)
+                    shadow.seq.token_ids.append(token)
+                    draft.append(token)
         return drafts
+
+    @torch.inference_mode()
+    def _logits(self, out: SchedulerOutput) -> dict[int, torch.Tensor]:
+        """The draft's next-token logits of every scheduled shadow, by its seq_id (each
+        chunk runs to its shadow's last token, so every chunk has one row)."""
+        ids, pos, meta, logit_rows = self.runner.build_inputs(out)
+        device = self.runner.device
+        for span in meta.prefills:
+            span.block_table = span.block_table.to(device)
+        hidden = self.model.forward(ids, pos, self.runner.kv_caches, meta)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
+        return {chunk.seq.seq_id: logits[i] for i, chunk in enumerate(out.chunks)}
+
+    def _choose(self, seq: Sequence, draft: Proposal, row: torch.Tensor) -> int:
+        """The next proposal for target `seq`: the draft's argmax when the request is greedy,
+        else a draw from q at the target's output position (q kept for verification)."""
+        if seq.params.greedy or not self.sample_proposals:
+            return int(row.max(dim=-1).indices)  # first maximum on ties, as the sampler's
+        q = request_probs(row, seq, draft)
+        draft.probs.append(q)
+        position = seq.num_output_tokens + len(draft)
+        return draw_token(q, stream_uniform(seq, DRAFT_STREAM, position))
 
     def _schedule(self, seq: Sequence, shadow: _Shadow) -> ScheduledChunk | None:
         """The shadow's next pass: every token it has not computed yet."""

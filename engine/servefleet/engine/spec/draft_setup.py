@@ -36,6 +36,8 @@ def build_draft_proposer(
     num_blocks: int,
     block_size: int,
     kv_dtype: torch.dtype,
+    *,
+    sample_proposals: bool = False,
 ) -> DraftProposer:
     """The draft's KV cache has the target's block count and size, so it never runs out
     where the target does not (its bytes are the draft's: layers x KV heads x head size)."""
@@ -50,4 +52,4 @@ def build_draft_proposer(
         sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches),
     )
     manager = KVCacheManager(num_blocks, block_size, enable_caching=False)
-    return DraftProposer(draft.model, kv_caches, manager, device)
+    return DraftProposer(draft.model, kv_caches, manager, device, sample_proposals=sample_proposals)
