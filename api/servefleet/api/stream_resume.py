@@ -25,6 +25,11 @@ INTERNAL_FIELDS: tuple[str, ...] = (RETURN_TOKEN_IDS, RESUME_TOKEN_IDS)
 # output may differ from an uninterrupted run's; greedy output matches).
 CONTINUATION_HEADER = "x-servefleet-continuation"
 
+# Response header of the same streams: the seed they are sampled with, the client's own or the
+# one the gateway gave a request without one. Sending it back as `seed` asks for the same text,
+# so a client (or a test) can reproduce a sampled answer it did not seed itself.
+SEED_HEADER = "x-servefleet-seed"
+
 
 def internal_fields_in(body: dict[str, object]) -> list[str]:
     """The internal fields a request body sets (a false/empty value sets nothing)."""

@@ -5,13 +5,14 @@ The gateway continues a broken stream on another replica from the token ids the 
 has (`servefleet.api.stream_resume`), so a kill must cost nothing: every stream ends, and its
 text is the text an uninterrupted run of the same request gives. The references are asked of
 an engine directly, after the load. Requests without a seed of their own are sampled with the
-seed the gateway gives them, which the client never sees: they are checked for completion and
-their tokens counted, not compared.
+seed the gateway gives them and tells the client (`SEED_HEADER`); their reference is the same
+request with that seed, asked for each such stream that ran across a kill and for a few more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 from collections.abc import Callable
@@ -28,7 +29,14 @@ from servefleet.bench.fault_common import (
     poll,
     settle,
 )
-from servefleet.bench.fault_load import LoadResult, Outcome, RequestSpec, closed_loop, send
+from servefleet.bench.fault_load import (
+    LoadResult,
+    Outcome,
+    RequestRecord,
+    RequestSpec,
+    closed_loop,
+    send,
+)
 from servefleet.bench.fault_stack import TENANTS, Part, Stack, metric_sum, scrape
 from servefleet.bench.fault_stack import wait_for_replicas as _wait_for_replicas
 from servefleet.bench.fault_stack import wait_ready as _wait_ready
@@ -38,6 +46,7 @@ STREAM_CONTINUATIONS = PREFIX + "stream_continuations_total"
 PROMPTS = 6  # distinct prompts per kind of request: the references to compute
 SAMPLED = 0.8
 CLIENT_SEED = 1234
+GATEWAY_SEEDED_REFERENCES = 12  # gateway-seeded streams rerun, those across a kill first
 
 # (tenant, spec, clients): greedy, sampled with the client's seed, sampled with the gateway's.
 MIX: tuple[tuple[str, RequestSpec, int], ...] = (
@@ -81,42 +90,95 @@ async def _mixed_load(url: str, seconds: float) -> list[LoadResult]:
     )
 
 
-async def _references(engine: Part) -> dict[tuple[int, int], str]:
-    """(kind in MIX, prompt number) -> the text of an uninterrupted run on one engine."""
+def _gateway_seeded(kind: int) -> bool:
+    spec = MIX[kind][1]
+    return bool(spec.temperature) and spec.seed is None
+
+
+def _key(kind: int, record: RequestRecord) -> tuple[int, int]:
+    """Which reference a stream is compared with: its prompt's, or (gateway-seeded) its own."""
+    prompts = MIX[kind][1].prompts
+    return (kind, record.number % prompts if prompts else record.number)
+
+
+def _seeded_streams(loads: list[LoadResult]) -> list[tuple[int, RequestRecord]]:
+    """(kind, record) of every completed stream sampled with the gateway's seed."""
+    return [
+        (kind, record)
+        for kind, load in enumerate(loads)
+        if _gateway_seeded(kind)
+        for record in load.records
+        if record.outcome is Outcome.OK
+    ]
+
+
+def _across(record: RequestRecord, kills: list[float]) -> bool:
+    """The stream was running when an engine was killed (it may have been continued)."""
+    return any(record.started <= t <= record.started + record.seconds for t in kills)
+
+
+def _wanted(loads: list[LoadResult], kills: list[float]) -> dict[tuple[int, int], RequestSpec]:
+    """The reference runs to make: every prompt of the greedy and client-seeded kinds, and the
+    gateway-seeded streams that ran across a kill (then others), each with its seed."""
+    wanted: dict[tuple[int, int], RequestSpec] = {}
+    for kind, (_, spec, _) in enumerate(MIX):
+        if not _gateway_seeded(kind) and spec.prompts:
+            wanted.update({(kind, n): spec for n in range(spec.prompts)})
+    seeded = [(kind, r) for kind, r in _seeded_streams(loads) if r.seed is not None]
+    seeded.sort(key=lambda kind_record: not _across(kind_record[1], kills))
+    for kind, record in seeded[:GATEWAY_SEEDED_REFERENCES]:
+        wanted[_key(kind, record)] = dataclasses.replace(MIX[kind][1], seed=record.seed)
+    return wanted
+
+
+async def _references(
+    engine: Part, wanted: dict[tuple[int, int], RequestSpec], at_once: int
+) -> dict[tuple[int, int], str]:
+    """(kind in MIX, prompt or request number) -> the text of an uninterrupted run; `at_once`
+    at a time, as the load ran them batched (a batch does not change a sequence's tokens)."""
     found: dict[tuple[int, int], str] = {}
+    slots = asyncio.Semaphore(at_once)
     async with httpx.AsyncClient(timeout=120) as client:
-        for kind, (tenant, spec, _) in enumerate(MIX):
-            if spec.prompts is None or (spec.temperature and spec.seed is None):
-                continue
-            for number in range(spec.prompts):
-                record = await send(client, engine.url, tenant, spec, number)
-                if record.outcome is Outcome.OK:
-                    found[(kind, number)] = record.text
+
+        async def one(key: tuple[int, int], spec: RequestSpec) -> None:
+            async with slots:
+                record = await send(client, engine.url, MIX[key[0]][0], spec, key[1])
+            if record.outcome is Outcome.OK:
+                found[key] = record.text
+
+        await asyncio.gather(*(one(key, spec) for key, spec in wanted.items()))
     return found
 
 
 def _compare(
-    result: ScenarioResult, loads: list[LoadResult], references: dict[tuple[int, int], str]
+    result: ScenarioResult,
+    loads: list[LoadResult],
+    wanted: dict[tuple[int, int], RequestSpec],
+    references: dict[tuple[int, int], str],
 ) -> None:
     """Every completed stream that has a reference carries exactly its text."""
-    compared = differ = 0
+    compared = differ = seeded = 0
     for kind, load in enumerate(loads):
-        prompts = MIX[kind][1].prompts
         for record in load.records:
-            reference = references.get((kind, record.number % (prompts or 1)))
+            reference = references.get(_key(kind, record))
             if record.outcome is not Outcome.OK or reference is None:
                 continue
             compared += 1
+            seeded += _gateway_seeded(kind)
             if record.text != reference:
                 differ += 1
                 if differ <= 3:
                     result.violations.append(
                         f"text differs from the reference: {record.text!r} != {reference!r}"
                     )
-    wanted = sum(1 for _, spec, _ in MIX if spec.prompts and (not spec.temperature or spec.seed))
-    result.figures.update(streams_compared=compared, streams_differing=differ)
-    result.require(len(references) == wanted * PROMPTS, f"{len(references)} references computed")
-    result.require(compared > 0, "no stream was compared with its reference")
+    unseeded = [r for _, r in _seeded_streams(loads) if r.seed is None]
+    result.figures.update(
+        streams_compared=compared, streams_differing=differ, gateway_seeded_compared=seeded
+    )
+    result.require(len(references) == len(wanted), f"{len(references)} of {len(wanted)} references")
+    result.require(compared > seeded, "no greedy or client-seeded stream was compared")
+    result.require(seeded > 0, "no gateway-seeded stream was compared with its reference")
+    result.require(not unseeded, f"{len(unseeded)} gateway-seeded streams without a seed header")
     result.require(differ == 0, f"{differ} of {compared} streams differ from their reference")
 
 
@@ -145,12 +207,14 @@ def engine_kill(stack: Stack, scale: Scale) -> ScenarioResult:
     settle(stack)
     charged_before, continued_before = charged_tokens(stack), _continuations(stack)
     kills: list[dict[str, Any]] = []
+    kill_times: list[float] = []  # monotonic, to find the streams that ran across a kill
 
     async def fault() -> None:
         for round_ in range(rounds):
             await asyncio.sleep(scale.seconds / (2 * rounds))
             victim = stack.engines[round_ % len(stack.engines)]
             kills.append(await asyncio.to_thread(_kill_mid_stream, victim))
+            kill_times.append(time.monotonic())
             started = time.monotonic()
             victim.start()
             deadline = started + stack.shape.ready_timeout_s
@@ -167,7 +231,11 @@ def engine_kill(stack: Stack, scale: Scale) -> ScenarioResult:
         kills=kills, continued_after_fault=_continuations(stack) - continued_before
     )
     result.require(len(kills) == rounds, f"{len(kills)} of {rounds} kills happened")
-    _compare(result, loads, asyncio.run(_references(stack.engines[0])))
+    wanted = _wanted(loads, kill_times)
+    across = sum(_across(r, kill_times) for _, r in _seeded_streams(loads))
+    result.figures["gateway_seeded_across_kill"] = across
+    references = _references(stack.engines[0], wanted, stack.shape.max_num_seqs)
+    _compare(result, loads, wanted, asyncio.run(references))
     return result
 
 

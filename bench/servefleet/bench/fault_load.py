@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from servefleet.api.stream_resume import SEED_HEADER
 from servefleet.bench.fault_stack import MODEL, api_key
 
 
@@ -45,6 +46,7 @@ class RequestRecord:
     text: str = ""
     detail: str = ""
     number: int = 0  # which request of the run (its prompt), to compare with a reference
+    seed: int | None = None  # the seed the gateway says the stream was sampled with
 
 
 @dataclass
@@ -76,6 +78,10 @@ class RequestSpec:
         if self.seed is not None:
             body["seed"] = self.seed
         return body
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -133,6 +139,7 @@ async def send(
                 "POST", url + "/v1/chat/completions", json=spec.body(number), headers=headers
             ) as response:
                 record.status = response.status_code
+                record.seed = _int_or_none(response.headers.get(SEED_HEADER))
                 if response.status_code in (429, 503):
                     record.retry_after_s = _retry_after(response)
                     bare = record.retry_after_s is None

@@ -18,12 +18,11 @@ from pydantic import BaseModel
 from servefleet.api.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     EmbeddingRequest,
     SamplingRequest,
-    TokenizeRequest,
 )
 from servefleet.api.openai_wire import RequestRejected, parse_request
+from servefleet.api.openapi_doc import OPERATIONS
 from servefleet.api.stream_resume import internal_fields_in
 from servefleet.gateway.errors import GatewayError, model_not_found
 from servefleet.gateway.route_table import RouteTable, TenantRoute
@@ -31,17 +30,28 @@ from servefleet.gateway.route_table import RouteTable, TenantRoute
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    request_model: type[BaseModel]
+    path: str
     spillable: bool  # the hosted API serves this path too
     counts_prompt: bool  # the prompt's tokens are charged
 
+    @property
+    def request_model(self) -> type[BaseModel]:
+        """The body model the engine and the OpenAPI document use: one table says it."""
+        body = OPERATIONS[self.path].body
+        if body is None:
+            raise LookupError(f"{self.path} takes no request body")
+        return body
+
 
 ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint(ChatCompletionRequest, spillable=True, counts_prompt=True),
-    "/v1/completions": Endpoint(CompletionRequest, spillable=True, counts_prompt=True),
-    "/v1/embeddings": Endpoint(EmbeddingRequest, spillable=True, counts_prompt=True),
-    "/tokenize": Endpoint(TokenizeRequest, spillable=False, counts_prompt=False),
-    "/detokenize": Endpoint(DetokenizeRequest, spillable=False, counts_prompt=False),
+    endpoint.path: endpoint
+    for endpoint in (
+        Endpoint("/v1/chat/completions", spillable=True, counts_prompt=True),
+        Endpoint("/v1/completions", spillable=True, counts_prompt=True),
+        Endpoint("/v1/embeddings", spillable=True, counts_prompt=True),
+        Endpoint("/tokenize", spillable=False, counts_prompt=False),
+        Endpoint("/detokenize", spillable=False, counts_prompt=False),
+    )
 }
 
 

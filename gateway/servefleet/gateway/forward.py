@@ -125,7 +125,9 @@ class Forwarder:
         first = first_body(call.parsed, exact=config.exact_continuation)
         first["stream_options"] = {**(first.get("stream_options") or {}), "include_usage": True}
         call.splice = StreamSplice(
-            chat=call.path.endswith("/chat/completions"), exact=config.exact_continuation
+            chat=call.path.endswith("/chat/completions"),
+            exact=config.exact_continuation,
+            seed=first["seed"],
         )
         return first, encode(first)
 

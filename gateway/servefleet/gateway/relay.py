@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from servefleet.api.stream_resume import CONTINUATION_HEADER
+from servefleet.api.stream_resume import CONTINUATION_HEADER, SEED_HEADER
 from servefleet.gateway.asgi import JSON, Headers, Receive, Send, respond
 from servefleet.gateway.call import Call
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
@@ -113,6 +113,8 @@ class Relay:
         if call.splice is not None:
             mode = b"exact" if call.splice.exact else b"text"
             headers.append((CONTINUATION_HEADER.encode(), mode))
+            if call.splice.seed is not None:
+                headers.append((SEED_HEADER.encode(), str(call.splice.seed).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         relay = SseRelay(strip_usage=not call.wants_usage, splice=call.splice)
         gone = asyncio.ensure_future(receive())

@@ -27,6 +27,7 @@ class StreamSplice:
 
     chat: bool
     exact: bool  # the engines resume from token ids; else from the delivered text
+    seed: int | None = None  # what every replica samples with (sent back as SEED_HEADER)
     delivered_ids: list[int] = field(default_factory=list)
     delivered_text: str = ""
     delivered_events: int = 0  # token-carrying events: the token count where ids are not sent
