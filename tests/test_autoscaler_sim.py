@@ -210,20 +210,32 @@ def test_sim_command_sweeps_an_access_log(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["sim", "--trace", str(log), "--out", str(out), "--jobs", "1", "--max-replicas", "6"]
     sweep = ["--policies", "servefleet,fixed", "--warm-minimums", "0,1", "--spill-patiences", "50"]
+    sweep += ["--grid-patiences", "1,0.25", "--warm-floors", "3"]
     assert cli_main([*argv, *sweep]) == 0
     report = json.loads((out / "sim.json").read_text())
     (name,) = report["traces"]
     points = report["traces"][name]["points"]
     assert {p["policy"] for p in points} == {"servefleet", "fixed"}
     ours = [p["settings"] for p in points if p["policy"] == "servefleet"]
-    assert {s["min_replicas"] for s in ours if "spill_patience" not in s} == {0.0, 1.0}
+    grid = [s for s in ours if s.get("spill_patience", 1) < 50 and "spill" not in s]
+    floors_and_grid = {(m, p) for m in (0.0, 1.0, 3.0) for p in (1, 0.25)}  # 3: the floor
+    assert {(s["min_replicas"], s.get("spill_patience", 1)) for s in grid} == floors_and_grid
+    assert {s["utilisation"] for s in grid if s["min_replicas"] == 3} == {1.0}
     # ... and the spill-heavy warm pools, one per fixed size (and warm minimum above the floor).
     assert {s["min_replicas"] for s in ours if s.get("spill_patience") == 50} == {1, 2, 4, 6}
+    # ... and pools pinned at min = max without spill-over: the cheap corner.
+    pinned = {int(s["max_replicas"]) for s in ours if s.get("spill") == 0}
+    assert pinned == {1, 2, 4} and all(
+        s["min_replicas"] == s["max_replicas"] for s in ours if s.get("spill") == 0
+    )
     assert (out / "sim.png").stat().st_size > 0
     # Every point is reproducible: the same settings give the same numbers.
     again = run_point(read_access_log(log), "fixed", {"replicas": 2.0}, _sweep_of(report))
     first = next(p for p in points if p["policy"] == "fixed" and p["settings"]["replicas"] == 2)
     assert again.model_dump() == {**first, "trace": again.trace}
+    # Ours pinned at 2 without spill-over is that fixed pool: the same run, the same numbers.
+    two = next(p for p in points if p["settings"].get("spill") == 0 and p["cost"] == first["cost"])
+    assert (two["settings"]["max_replicas"], two["slo_attainment"]) == (2, first["slo_attainment"])
 
 
 def _sweep_of(report: dict) -> SweepSpec:

@@ -83,8 +83,10 @@ def test_vllm_cpu_runs_float32_bound_to_both_cores() -> None:
     assert peer.env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def test_vllm_command_without_its_module_is_skipped() -> None:
-    assert isinstance(by_name(installed({"vllm": "/bin/vllm"}, set()))[VLLM_CPU], PeerSkipped)
+def test_vllm_is_found_by_its_command_alone() -> None:
+    """Its own environment: the module is not importable from the benchmark's interpreter."""
+    assert isinstance(by_name(installed({"vllm": "/bin/vllm"}, set()))[VLLM_CPU], PeerCommand)
+    assert isinstance(by_name(installed({}, {"vllm"}))[VLLM_CPU], PeerSkipped)
 
 
 def test_unknown_peer_is_refused() -> None:

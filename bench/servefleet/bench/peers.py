@@ -137,10 +137,11 @@ def run_peer(args: argparse.Namespace, settings: PeerSettings, peer: PeerCommand
             base["command"] = server.argv
             with RssSampler(server.pid) as rss:
                 ready_rss = rss.sample()
-                runs = {
-                    name: asyncio.run(run_benchmark(options)).summary.model_dump(mode="json")
-                    for name, options in workloads(args, settings, peer, server.base_url).items()
-                }
+                runs = {}
+                for name, options in workloads(args, settings, peer, server.base_url).items():
+                    print(f"peers: {peer.name} {name}", file=sys.stderr, flush=True)
+                    summary = asyncio.run(run_benchmark(options)).summary
+                    runs[name] = summary.model_dump(mode="json")
     except EngineStartError as exc:
         return {**base, "status": "failed", "reason": str(exc).splitlines()[0]}
     return {

@@ -66,6 +66,22 @@ class SweepSpec(BaseModel):
         description="our spill-heavy settings: a warm pool of each fixed size (and each warm "
         "minimum) that spills this many times longer than rent-or-buy before buying",
     )
+    grid_patiences: tuple[float, ...] = Field(
+        default=(1.0, 0.25, 0.05),
+        description="the target/delay grid at each of these spill patiences: below 1 buys "
+        "sooner than rent-or-buy, so the pool spends less time full while renting",
+    )
+    warm_floors: tuple[int, ...] = Field(
+        default=(2, 3, 4, 5, 6, 7, 8),
+        description="ours with a warm floor (minReplicas) under target 1.0 × slots, delay "
+        "120 s, at each grid patience: the floor takes the start and the spells a pool at its "
+        "target would spend full",
+    )
+    pinned_pools: tuple[int, ...] = Field(
+        default=(1, 2, 4),
+        description="ours pinned at minReplicas = maxReplicas = N with spill-over off: the "
+        "cheap corner that only a fixed pool reaches (scaling from fewer costs it SLO)",
+    )
 
 
 class Point(BaseModel):
@@ -105,9 +121,16 @@ def settings_for(policy: str, sweep: SweepSpec) -> list[dict[str, float]]:
 
 
 def _servefleet_settings(sweep: SweepSpec) -> list[dict[str, float]]:
-    """The target/delay grid, plus spill-heavy warm pools: where bursts are shorter than a cold
-    start, a pool kept at its minimum that leaves bursts to the hosted API is the cheap end."""
-    base = [{"utilisation": u, "delay_s": d} for u in sweep.utilisations for d in sweep.delays_s]
+    """The target/delay grid (at each grid patience), plus spill-heavy warm pools: where bursts
+    are shorter than a cold start, a pool kept at its minimum that leaves bursts to the hosted
+    API is the cheap end. Warm floors under the grid's target 1.0 fill the high-SLO end; pinned
+    pools without spill-over (`spill` 0) are the corner below everything."""
+    base = [
+        {"utilisation": u, "delay_s": d} | ({} if p == 1 else {"spill_patience": p})
+        for p in sweep.grid_patiences
+        for u in sweep.utilisations
+        for d in sweep.delays_s
+    ]
     grid = [{**b, "min_replicas": float(m)} for b in base for m in sweep.warm_minimums] or base
     pools = sorted({*sweep.fixed_sizes, *sweep.warm_minimums})
     spill_heavy = [
@@ -121,7 +144,26 @@ def _servefleet_settings(sweep: SweepSpec) -> list[dict[str, float]]:
         if sweep.min_replicas <= m <= sweep.max_replicas
         for p in sweep.spill_patiences
     ]
-    return grid + spill_heavy
+    floors = [
+        {"utilisation": 1.0, "delay_s": min(sweep.delays_s), "min_replicas": float(m)}
+        | ({} if p == 1 else {"spill_patience": p})
+        for m in sweep.warm_floors
+        if sweep.min_replicas < m <= sweep.max_replicas
+        for p in sweep.grid_patiences
+    ]
+    pinned = [
+        {
+            "utilisation": 1.0,
+            "delay_s": max(sweep.delays_s),
+            "min_replicas": float(n),
+            "max_replicas": float(n),
+            "spill": 0.0,
+        }
+        for n in sweep.pinned_pools
+        if sweep.min_replicas <= n <= sweep.max_replicas
+    ]
+    every = grid + spill_heavy + floors + pinned
+    return [s for i, s in enumerate(every) if s not in every[:i]]  # a floor may be a minimum
 
 
 def build_policy(policy: str, settings: dict[str, float], sweep: SweepSpec) -> ScalingPolicy:
@@ -131,7 +173,7 @@ def build_policy(policy: str, settings: dict[str, float], sweep: SweepSpec) -> S
         return ServefleetPolicy(
             targets=ScalingTargets(
                 min_replicas=int(settings.get("min_replicas", lo)),
-                max_replicas=hi,
+                max_replicas=int(settings.get("max_replicas", hi)),
                 target_per_replica=per_replica,
                 scale_down_delay_s=settings["delay_s"],
                 queue_wait_target_s=sweep.slo_wait_s,
@@ -152,7 +194,7 @@ def build_policy(policy: str, settings: dict[str, float], sweep: SweepSpec) -> S
 
 def run_point(trace: Trace, policy: str, settings: dict[str, float], sweep: SweepSpec) -> Point:
     cluster = sweep.cluster
-    if policy != "servefleet" and not sweep.baseline_spill:
+    if (policy != "servefleet" and not sweep.baseline_spill) or settings.get("spill") == 0:
         cluster = cluster.model_copy(
             update={"spill": cluster.spill.model_copy(update={"enabled": False})}
         )

@@ -51,6 +51,21 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
         help="our spill-heavy settings: warm pools that spill this many times longer than "
         "rent-or-buy (empty: none)",
     )
+    p.add_argument(
+        "--grid-patiences",
+        default="1,0.25,0.05",
+        help="our target/delay grid at each of these spill patiences (below 1 buys sooner)",
+    )
+    p.add_argument(
+        "--warm-floors",
+        default="2,3,4,5,6,7,8",
+        help="ours with these minReplicas under target 1.0 x slots, delay 120 s (empty: none)",
+    )
+    p.add_argument(
+        "--pinned-pools",
+        default="1,2,4",
+        help="ours pinned at minReplicas = maxReplicas = N without spill-over (empty: none)",
+    )
 
 
 def sweep_from_args(args: argparse.Namespace) -> SweepSpec:
@@ -77,6 +92,9 @@ def sweep_from_args(args: argparse.Namespace) -> SweepSpec:
         baseline_spill=args.baseline_spill,
         warm_minimums=tuple(int(m) for m in args.warm_minimums.split(",") if m),
         spill_patiences=tuple(float(p) for p in args.spill_patiences.split(",") if p),
+        grid_patiences=tuple(float(p) for p in args.grid_patiences.split(",") if p),
+        warm_floors=tuple(int(m) for m in args.warm_floors.split(",") if m),
+        pinned_pools=tuple(int(n) for n in args.pinned_pools.split(",") if n),
         fixed_sizes=tuple(
             sorted({*range(2, 9, 2), *range(12, args.max_replicas + 1, 4), args.max_replicas})
         ),
