@@ -26,15 +26,15 @@ def _sample(parts: list[Part]) -> dict[str, tuple[float, int]]:
     return found
 
 
-def _slope_mb_per_min(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (seconds, MiB) points, in MiB per minute."""
+def slope_per_minute(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) points, per minute (RSS: MiB per minute)."""
     if len(points) < 2:
         return 0.0
     n = len(points)
     mean_t = sum(t for t, _ in points) / n
-    mean_m = sum(m for _, m in points) / n
+    mean_v = sum(v for _, v in points) / n
     var = sum((t - mean_t) ** 2 for t, _ in points)
-    cov = sum((t - mean_t) * (m - mean_m) for t, m in points)
+    cov = sum((t - mean_t) * (v - mean_v) for t, v in points)
     return 60 * cov / var if var else 0.0
 
 
@@ -73,7 +73,7 @@ def soak(stack: Stack, scale: Scale) -> ScenarioResult:
     second_half = [(t, s) for t, s in samples if t >= scale.seconds / 2]
     names = sorted({name for _, s in second_half for name in s})
     slopes = {
-        n: round(_slope_mb_per_min([(t, s[n][0]) for t, s in second_half if n in s]), 2)
+        n: round(slope_per_minute([(t, s[n][0]) for t, s in second_half if n in s]), 2)
         for n in names
     }
     fd_growth = {

@@ -17,6 +17,7 @@ import psutil
 from pydantic import BaseModel
 
 from servefleet.api.engines import engine_adapter
+from servefleet.bench.fault_soak import slope_per_minute
 from servefleet.bench.fault_stack import metric_sum, scrape
 
 ENGINE_METRICS = engine_adapter("servefleet").metrics
@@ -140,18 +141,6 @@ class SeriesPoint(BaseModel):
             fds={label: fds for label, (_, fds) in sample.processes.items()},
             kv_usage=sample.kv_usage,
         )
-
-
-def slope_per_minute(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (seconds, value) points, per minute."""
-    if len(points) < 2:
-        return 0.0
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_v = sum(v for _, v in points) / n
-    var = sum((t - mean_t) ** 2 for t, _ in points)
-    cov = sum((t - mean_t) * (v - mean_v) for t, v in points)
-    return 60 * cov / var if var else 0.0
 
 
 def figures(samples: list[Sample], warmup_s: float) -> list[ProcessFigures]:
