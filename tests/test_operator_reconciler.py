@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 from typing import Any
 
 import kopf
 import pytest
 
 from servefleet.api import LLMDeployment
-from servefleet.kube import KubeError, ObjectList
+from servefleet.kube import KubeAccess, KubeError, ObjectList
 from servefleet.kube.resources import Resource
-from servefleet.operator.handlers import engine_needs_repair, plain
+from servefleet.operator.handlers import build_registry, engine_needs_repair, plain
 from servefleet.operator.reconciler import OperatorSettings, Reconciler
 from servefleet.operator.status import EventSpec
 
@@ -259,3 +260,17 @@ async def test_events_go_through_our_client_and_never_fail_a_reconcile(fail: boo
     assert len(client.status_patches) == 1
     expected = [] if fail else [("m", "WarmPoolNotReady", "servefleet-operator")]
     assert client.events[:1] == expected
+
+
+def test_every_persisted_handler_id_is_a_valid_annotation_name() -> None:
+    """kopf stores a handler's retries and progress in an annotation named after its id; an
+    id the API server refuses (a nested function's `<locals>` path) turns every retry into a
+    422 and a traceback, which the e2e caught under load."""
+    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw:8080/")
+    registry = build_registry(settings, KubeAccess(server="http://127.0.0.1:1"))
+    ids = [handler.id for handler in registry._changing.get_all_handlers()]
+    assert ids, "no change handlers registered"
+    name_part = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+    for handler_id in ids:
+        part = handler_id.replace("/", ".")  # kopf's annotation key for a field handler
+        assert len(part) <= 63 and name_part.fullmatch(part), handler_id

@@ -135,18 +135,27 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, shared: SharedReconcile
             await shared.current.client.aclose()
 
 
+RECONCILE_HANDLER = "reconcile"
+FORGET_HANDLER = "forget"
+
+
 def _register_deployment_handlers(
     registry: kopf.OperatorRegistry, reconciler: GetReconciler
 ) -> None:
-    """The LLMDeployment itself: created, changed, resumed after a restart, deleted."""
+    """The LLMDeployment itself: created, changed, resumed after a restart, deleted.
 
-    @kopf.on.resume(*RESOURCE, registry=registry)
-    @kopf.on.create(*RESOURCE, registry=registry)
-    @kopf.on.update(*RESOURCE, field="spec", registry=registry)
+    Handler ids are explicit: kopf names a handler's progress annotation after its id, and
+    the default id of a nested function (`_register_..._locals_.reconcile_spec`) is not a
+    valid annotation name, so a handler that had to retry failed to record it (a 422).
+    """
+
+    @kopf.on.resume(*RESOURCE, id=RECONCILE_HANDLER, registry=registry)
+    @kopf.on.create(*RESOURCE, id=RECONCILE_HANDLER, registry=registry)
+    @kopf.on.update(*RESOURCE, id=RECONCILE_HANDLER, field="spec", registry=registry)
     async def reconcile_spec(body: kopf.Body, **_: Any) -> None:
         await (await reconciler()).reconcile(parse_body(body))
 
-    @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
+    @kopf.on.delete(*RESOURCE, id=FORGET_HANDLER, registry=registry, optional=True)
     async def forget(name: str, namespace: str | None, **_: Any) -> None:
         (await reconciler()).forget(namespace or "", name)
 
