@@ -15,19 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from servefleet.api.gateway_config import (
-    ApiKeyRef,
-    GatewayConfig,
-    GatewayDeployment,
-    GatewayTenant,
-    TenantAccess,
-    hash_api_key,
-)
-from servefleet.api.llmdeployment import TenantLimits
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.stream_splice import StreamSplice, continuation_body, first_body
+from tests.support.gateway_rig import served_gateway
 
 TOKENS = 12
 AUTH = {"authorization": "Bearer key-a"}
@@ -52,26 +44,10 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
             for _ in range(opts.get("replicas", 3))
         ]
         urls = [stack.enter_context(serve_in_thread(f)) for f in fakes]
-        config = GatewayConfig(
-            tenants=[
-                GatewayTenant(
-                    name="a",
-                    api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))],
-                    limits=TenantLimits(tokens_per_minute=100_000),
-                )
-            ],
-            deployments=[
-                GatewayDeployment(
-                    name="d",
-                    model="m",
-                    tenants=[TenantAccess(name="a")],
-                    max_continuations=opts.get("max_continuations", 2),
-                )
-            ],
+        gateway, base = served_gateway(
+            stack, urls, max_continuations=opts.get("max_continuations", 2)
         )
-        gateway = Gateway(config)
-        gateway.set_replicas("d", urls, ready=urls)
-        yield Rig(gateway, stack.enter_context(serve_in_thread(gateway)), fakes)
+        yield Rig(gateway, base, fakes)
 
 
 def stream(rig: Rig, path: str, body: dict[str, Any]) -> tuple[httpx.Response, list[Any]]:

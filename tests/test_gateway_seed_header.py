@@ -11,19 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from servefleet.api.gateway_config import (
-    ApiKeyRef,
-    GatewayConfig,
-    GatewayDeployment,
-    GatewayTenant,
-    TenantAccess,
-    hash_api_key,
-)
-from servefleet.api.llmdeployment import TenantLimits
 from servefleet.api.stream_resume import SEED_HEADER
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
-from servefleet.gateway.app import Gateway
+from tests.support.gateway_rig import served_gateway
 
 AUTH = {"authorization": "Bearer key-a"}
 BODY: dict[str, Any] = {
@@ -40,19 +31,8 @@ def rig() -> Iterator[tuple[str, list[FakeOpenAI]]]:
     with ExitStack() as stack:
         fakes = [FakeOpenAI(FakeBehaviour(completion_tokens=8)) for _ in range(2)]
         urls = [stack.enter_context(serve_in_thread(f)) for f in fakes]
-        config = GatewayConfig(
-            tenants=[
-                GatewayTenant(
-                    name="a",
-                    api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))],
-                    limits=TenantLimits(tokens_per_minute=100_000),
-                )
-            ],
-            deployments=[GatewayDeployment(name="d", model="m", tenants=[TenantAccess(name="a")])],
-        )
-        gateway = Gateway(config)
-        gateway.set_replicas("d", urls, ready=urls)
-        yield stack.enter_context(serve_in_thread(gateway)), fakes
+        _, base = served_gateway(stack, urls)
+        yield base, fakes
 
 
 def _stream(base: str, body: dict[str, Any]) -> httpx.Response:

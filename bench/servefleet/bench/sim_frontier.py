@@ -120,13 +120,18 @@ def settings_for(policy: str, sweep: SweepSpec) -> list[dict[str, float]]:
     ]
 
 
+def _patience(p: float) -> dict[str, float]:
+    """The spill-patience setting, left out at its default (1: rent-or-buy)."""
+    return {} if p == 1 else {"spill_patience": p}
+
+
 def _servefleet_settings(sweep: SweepSpec) -> list[dict[str, float]]:
     """The target/delay grid (at each grid patience), plus spill-heavy warm pools: where bursts
     are shorter than a cold start, a pool kept at its minimum that leaves bursts to the hosted
     API is the cheap end. Warm floors under the grid's target 1.0 fill the high-SLO end; pinned
     pools without spill-over (`spill` 0) are the corner below everything."""
     base = [
-        {"utilisation": u, "delay_s": d} | ({} if p == 1 else {"spill_patience": p})
+        {"utilisation": u, "delay_s": d} | _patience(p)
         for p in sweep.grid_patiences
         for u in sweep.utilisations
         for d in sweep.delays_s
@@ -146,7 +151,7 @@ def _servefleet_settings(sweep: SweepSpec) -> list[dict[str, float]]:
     ]
     floors = [
         {"utilisation": 1.0, "delay_s": min(sweep.delays_s), "min_replicas": float(m)}
-        | ({} if p == 1 else {"spill_patience": p})
+        | _patience(p)
         for m in sweep.warm_floors
         if sweep.min_replicas < m <= sweep.max_replicas
         for p in sweep.grid_patiences
