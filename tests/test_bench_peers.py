@@ -83,6 +83,24 @@ def test_vllm_cpu_runs_float32_bound_to_both_cores() -> None:
     assert peer.env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def test_each_engine_runs_in_the_dtype_asked() -> None:
+    bf16 = PeerSettings(gguf="/m.gguf", vllm_dtype="bfloat16", prefill_dtype="bfloat16")
+    found = installed({"vllm": "/bin/vllm"}, set())
+    ours, _, vllm = resolve_peers(bf16, found=found)
+    assert isinstance(ours, PeerCommand) and isinstance(vllm, PeerCommand)
+    ours_argv, vllm_argv = ours.argv_for(1), vllm.argv_for(2)
+    assert ours_argv[ours_argv.index("--prefill-dtype") + 1] == "bfloat16"
+    assert vllm_argv[vllm_argv.index("--dtype") + 1] == "bfloat16"
+    assert "bfloat16" in ours.note and "bfloat16" in vllm.note
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_has_it() -> None:
+    assert peers.fastest_dtype("auto", {"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"
+    assert peers.fastest_dtype("auto", {"avx2", "amx_bf16"}) == "bfloat16"
+    assert peers.fastest_dtype("auto", {"avx2", "fma"}) == "float32"
+    assert peers.fastest_dtype("float32", {"avx512_bf16"}) == "float32"
+
+
 def test_vllm_is_found_by_its_command_alone() -> None:
     """Its own environment: the module is not importable from the benchmark's interpreter."""
     assert isinstance(by_name(installed({"vllm": "/bin/vllm"}, set()))[VLLM_CPU], PeerCommand)

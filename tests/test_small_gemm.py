@@ -22,6 +22,7 @@ from servefleet.engine.kernels import (
 )
 from servefleet.engine.kernels.cbuild import find_compiler
 from servefleet.engine.kernels.cpu_small_gemm import (
+    ISA_CAP_ENV,
     CpuSmallGemm,
     GemmThreading,
     IsaCap,
@@ -75,6 +76,22 @@ def test_isa_caps_select_the_code_path() -> None:
         "avx2": "avx2-fma" if {"avx2", "fma"} <= cpu_flags else "plain-c",
         "plain": "plain-c",
     }
+
+
+@needs_compiler
+@pytest.mark.skipif(not IS_X86, reason="instruction-set caps are x86 compiler flags")
+def test_the_engine_matmuls_take_their_isa_cap_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ISA_CAP_ENV, "plain")
+    kernel = select_small_mm("cpu")
+    assert kernel is not None and kernel.isa == "plain-c"
+    monkeypatch.setenv(ISA_CAP_ENV, "sse2")
+    with pytest.raises(KernelUnavailableError, match="SERVEFLEET_MATMUL_ISA='sse2': choose"):
+        select_small_mm("cpu")
+    monkeypatch.delenv(ISA_CAP_ENV)
+    native = select_small_mm("cpu")
+    assert native is not None and native.isa == load_cpu_small_gemm().isa
 
 
 def _cpu_flags() -> set[str]:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from servefleet.api.prefill_dtype import PREFILL_DTYPE_FLAG
 from servefleet.bench.client import Endpoint
 from servefleet.bench.processes import servefleet_command
 
@@ -44,6 +45,9 @@ class PeerSettings:
     context_per_sequence: int = 2048  # shared prefix + suffix + output fit with room
     vllm_kv_space_gib: int = 1
     vllm_model: str | None = None  # an HF folder for vLLM when its GGUF support falls short
+    vllm_dtype: str = "float32"  # `peers.fastest_dtype` picks each engine's for the CPU
+    prefill_dtype: str = "float32"  # ours: the dtype of prompt-sized matmuls
+    kv_cache_dtype: str = "auto"  # ours
     host: str = "127.0.0.1"
 
 
@@ -84,8 +88,13 @@ def servefleet_peer(s: PeerSettings) -> PeerCommand:
         str(s.threads),
         "--max-num-seqs",
         str(s.parallel),
+        PREFILL_DTYPE_FLAG,
+        s.prefill_dtype,
+        "--kv-cache-dtype",
+        s.kv_cache_dtype,
     )
-    return PeerCommand(SERVEFLEET, argv, "/ready")
+    note = f"prefill matmuls in {s.prefill_dtype}, KV cache {s.kv_cache_dtype}"
+    return PeerCommand(SERVEFLEET, argv, "/ready", note=note)
 
 
 def llama_cpp_peer(s: PeerSettings, found: Installed) -> PeerCommand | PeerSkipped:
@@ -131,7 +140,7 @@ def llama_cpp_peer(s: PeerSettings, found: Installed) -> PeerCommand | PeerSkipp
 
 
 def vllm_peer(s: PeerSettings, found: Installed) -> PeerCommand | PeerSkipped:
-    """vLLM's CPU build: float32, OpenMP bound to our cores, a fixed KV space.
+    """vLLM's CPU build: float32 (or `vllm_dtype`), OpenMP bound to our cores, a fixed KV space.
 
     Found by its command alone: it lives in its own environment (its torch pin differs from
     ours), so its module is not importable from the benchmark's interpreter.
@@ -150,7 +159,7 @@ def vllm_peer(s: PeerSettings, found: Installed) -> PeerCommand | PeerSkipped:
         "--port",
         "{port}",
         "--dtype",
-        "float32",
+        s.vllm_dtype,
         "--max-num-seqs",
         str(s.parallel),
         "--max-model-len",
@@ -160,7 +169,7 @@ def vllm_peer(s: PeerSettings, found: Installed) -> PeerCommand | PeerSkipped:
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{s.threads - 1}",
         "VLLM_CPU_KVCACHE_SPACE": str(s.vllm_kv_space_gib),
     }
-    return PeerCommand(VLLM_CPU, argv, "/health", env=env)
+    return PeerCommand(VLLM_CPU, argv, "/health", env=env, note=f"--dtype {s.vllm_dtype}")
 
 
 def resolve_peers(

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from servefleet.api.kv_cache import KV_CACHE_DTYPES
+from servefleet.api.prefill_dtype import PREFILL_DTYPES
 from servefleet.bench.benchmark import BenchOptions, run_benchmark
 from servefleet.bench.engine_process import EngineProcess, EngineStartError
 from servefleet.bench.peer_commands import (
@@ -32,6 +34,7 @@ from servefleet.bench.peer_commands import (
 )
 from servefleet.bench.rss import RssSampler
 from servefleet.bench.workloads import WorkloadKind
+from servefleet.engine.cpu_isa import cpu_flags, native_bf16
 from servefleet.text.builtin import resolve_builtin
 
 MB = 1e6
@@ -44,6 +47,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every peer")
     p.add_argument("--parallel", type=int, default=16, help="sequences per batch, = c16 load")
     p.add_argument("--vllm-model", default=None, help="what vLLM serves (default: the GGUF)")
+    p.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="vLLM's --dtype (auto: bfloat16 where the CPU has AVX512_BF16 or AMX, else float32)",
+    )
+    p.add_argument(
+        "--prefill-dtype",
+        default="auto",
+        choices=["auto", *PREFILL_DTYPES],
+        help="ours (auto: as for vLLM)",
+    )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="ours")
     p.add_argument("--c1-prompts", type=int, default=8)
     p.add_argument("--c16-prompts", type=int, default=32)
     p.add_argument("--input-tokens", type=int, default=200)
@@ -63,7 +79,18 @@ def settings_from(args: argparse.Namespace) -> PeerSettings:
         threads=args.threads,
         parallel=args.parallel,
         vllm_model=args.vllm_model,
+        vllm_dtype=fastest_dtype(args.vllm_dtype),
+        prefill_dtype=fastest_dtype(args.prefill_dtype),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
+
+
+def fastest_dtype(asked: str, flags: set[str] | None = None) -> str:
+    """ "auto": bfloat16 where the CPU multiplies it natively, else float32 (each engine's
+    faster setting on the CPUs measured: bench/README.md)."""
+    if asked != "auto":
+        return asked
+    return "bfloat16" if native_bf16(cpu_flags() if flags is None else flags) else "float32"
 
 
 def workloads(

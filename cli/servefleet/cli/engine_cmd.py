@@ -39,6 +39,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 QUANTIZATION_FLAG = "--quantization"
 LOAD_QUANTIZATIONS = ("int8", "int4")
 
+# Spelled as `servefleet.api.prefill_dtype` (a test checks it); not imported, as above.
+PREFILL_DTYPE_FLAG = "--prefill-dtype"
+PREFILL_DTYPES = ("float32", "bfloat16")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_serving_arguments(parser)
@@ -133,6 +137,13 @@ def _add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "cpu-c"],
         default="auto",
         help="projection matmuls: auto uses the C few-row kernels on CPU for decode steps",
+    )
+    a(
+        PREFILL_DTYPE_FLAG,
+        choices=PREFILL_DTYPES,
+        default="float32",
+        help="dtype of the projection matmuls of steps over 64 rows (prompt chunks): bfloat16 "
+        "is ~2.7x faster where the CPU has AVX512_BF16 or AMX (default: float32)",
     )
     a(
         "--no-packed-weights",

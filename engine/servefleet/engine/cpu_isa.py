@@ -39,6 +39,11 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set()
 
 
+def native_bf16(flags: set[str]) -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (else oneDNN emulates it, slowly)."""
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def _cache_file(flags: set[str]) -> Path:
     root = Path(os.environ.get("SERVEFLEET_CACHE_DIR") or Path.home() / ".cache" / "servefleet")
     key = hashlib.sha256((" ".join(sorted(flags)) + sys.version).encode()).hexdigest()[:16]

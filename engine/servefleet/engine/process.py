@@ -130,7 +130,14 @@ def load_for(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernel_name, kernel = select_decode_kernel(device, prefer=config.decode_kernel)
-    matmul = select_matmul(device, prefer=config.matmul)
+    if config.prefill_dtype != "float32" and dtype != torch.float32:
+        raise EngineSettingsError(
+            f"--prefill-dtype {config.prefill_dtype} rounds a float32 model's prefill matmuls; "
+            f"this one runs in {str(dtype).removeprefix('torch.')} throughout"
+        )
+    matmul = select_matmul(
+        device, prefer=config.matmul, many_rows_dtype=getattr(torch, config.prefill_dtype)
+    )
     t0 = time.monotonic()
     loaded = load_model(
         config.model,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Literal, cast
 
 import torch
@@ -16,7 +17,13 @@ import torch
 from servefleet.engine.attention import DecodeKernel, torch_paged_decode
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 from servefleet.engine.kernels.cpu_paged_decode import load_cpu_paged_decode
-from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm, load_cpu_small_gemm
+from servefleet.engine.kernels.cpu_small_gemm import (
+    ISA_CAP_ENV,
+    ISA_CAP_FLAGS,
+    CpuSmallGemm,
+    IsaCap,
+    load_cpu_small_gemm,
+)
 from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul, TorchMatmul
 from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode, triton_unavailable
 
@@ -99,10 +106,20 @@ def select_decode_kernel(
 
 
 def select_small_mm(device: torch.device | str) -> CpuSmallGemm | None:
-    """The C few-row matmul kernels where they run (CPU with a compiler), else None."""
+    """The C few-row matmul kernels where they run (CPU with a compiler), else None;
+    built for the instruction set `SERVEFLEET_MATMUL_ISA` caps them at (default native)."""
     if torch.device(device).type != "cpu":
         return None
-    return load_cpu_small_gemm()
+    return load_cpu_small_gemm(isa=_isa_cap())
+
+
+def _isa_cap() -> IsaCap:
+    value = os.environ.get(ISA_CAP_ENV) or "native"
+    if value not in ISA_CAP_FLAGS:
+        raise KernelUnavailableError(
+            f"{ISA_CAP_ENV}={value!r}: choose one of {', '.join(ISA_CAP_FLAGS)}"
+        )
+    return cast(IsaCap, value)
 
 
 def select_fused_ops(device: torch.device | str) -> CpuFusedOps | None:
@@ -112,12 +129,8 @@ def select_fused_ops(device: torch.device | str) -> CpuFusedOps | None:
     return load_cpu_fused_ops()
 
 
-def _small_rows(kernel: CpuSmallGemm) -> SmallRowsMatmul:
-    return SmallRowsMatmul(kernel, max_rows=SMALL_MM_MAX_ROWS)
-
-
 @functools.cache
-def _select_matmul(device_type: str, prefer: str) -> Matmul:
+def _select_matmul(device_type: str, prefer: str, many_rows_dtype: torch.dtype) -> Matmul:
     if prefer not in ("auto", *MATMUL_NAMES):
         raise ValueError(
             f"unknown matmul backend {prefer!r}; choose one of auto, {', '.join(MATMUL_NAMES)}"
@@ -126,22 +139,34 @@ def _select_matmul(device_type: str, prefer: str) -> Matmul:
     if prefer != "torch":
         kernel = select_small_mm(device_type)
         if kernel is not None:
-            matmul = _small_rows(kernel)
+            matmul = SmallRowsMatmul(kernel, SMALL_MM_MAX_ROWS, many_rows_dtype=many_rows_dtype)
         elif prefer == "cpu-c":
             where = "cpu-c runs on CPU tensors" if device_type != "cpu" else "it could not be built"
             raise KernelUnavailableError(f"cpu-c matmul unavailable: {where}")
-    detail = f" isa={matmul.kernel.isa}" if isinstance(matmul, SmallRowsMatmul) else ""
+    if many_rows_dtype != torch.float32 and not isinstance(matmul, SmallRowsMatmul):
+        raise KernelUnavailableError(
+            f"{str(many_rows_dtype).removeprefix('torch.')} prefill matmuls need the cpu-c "
+            f"matmuls (CPU, a C compiler, --matmul auto or cpu-c)"
+        )
+    detail = ""
+    if isinstance(matmul, SmallRowsMatmul):
+        detail = f" isa={matmul.kernel.isa} many_rows={str(many_rows_dtype).removeprefix('torch.')}"
     logger.info("matmul for %s: %s%s (prefer=%s)", device_type, matmul.name, detail, prefer)
     return matmul
 
 
-def select_matmul(device: torch.device | str, prefer: str = "auto") -> Matmul:
+def select_matmul(
+    device: torch.device | str,
+    prefer: str = "auto",
+    many_rows_dtype: torch.dtype = torch.float32,
+) -> Matmul:
     """The model's matmul backend: on CPU the C kernels for decode-sized calls, else torch.
 
     `prefer="torch"|"cpu-c"` forces one; a forced cpu-c that cannot run raises
-    KernelUnavailableError.
+    KernelUnavailableError, as does a `many_rows_dtype` (the dtype of prefill-sized
+    projection calls) other than float32 without the C kernels.
     """
-    return _select_matmul(torch.device(device).type, prefer)
+    return _select_matmul(torch.device(device).type, prefer, many_rows_dtype)
 
 
 __all__ = [

@@ -35,6 +35,9 @@ ISA_CAP_FLAGS: dict[IsaCap, tuple[str, ...]] = {
     "plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
 }
 SOURCE_PATH = Path(__file__).with_name("cpu_small_gemm.c")
+# The engine's cap (default native): `avx2` measures the AVX2 paths on an AVX-512 machine.
+ISA_CAP_ENV = "SERVEFLEET_MATMUL_ISA"
+
 
 # No -fassociative-math: the per-element summation order over K must stay fixed, which
 # is what makes a row's result independent of the batch it is in.
@@ -67,6 +70,7 @@ _UNPACK_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [
     ctypes.c_void_p,  # its group formats
     ctypes.c_void_p,  # its group offsets
     ctypes.c_void_p,  # out [K, N]
+    ctypes.c_int,  # out is bfloat16 (else float32)
     ctypes.c_int64,  # K
     ctypes.c_int64,  # N
     ctypes.c_int,  # num_threads
@@ -175,22 +179,27 @@ class CpuSmallGemm:
         return out
 
     def unpack(self, weight: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 W [K, N] a packed weight holds (what `packed_weights.unpack`
-        computes, multi-threaded), into `out` when given (contiguous float32 [K, N])."""
+        """The W [K, N] a packed weight holds (what `packed_weights.unpack` computes,
+        multi-threaded), into `out` when given: contiguous [K, N], float32 (bitwise the
+        checkpoint's values) or bfloat16 (those values rounded to nearest even, as
+        `Tensor.bfloat16()` rounds)."""
         if out is None:
             out = torch.empty(weight.k, weight.n)
         elif not (
-            out.dtype == torch.float32
+            out.dtype in (torch.float32, torch.bfloat16)
             and out.is_cpu
             and out.is_contiguous()
             and tuple(out.shape) == (weight.k, weight.n)
         ):
-            raise ValueError(f"unpack: out must be contiguous float32 [{weight.k}, {weight.n}]")
+            raise ValueError(
+                f"unpack: out must be contiguous float32 or bfloat16 [{weight.k}, {weight.n}]"
+            )
         status = self.library.sf_packed_unpack(
             weight.data.data_ptr(),
             weight.formats.data_ptr(),
             weight.offsets.data_ptr(),
             out.data_ptr(),
+            int(out.dtype == torch.bfloat16),
             weight.k,
             weight.n,
             _threads(),

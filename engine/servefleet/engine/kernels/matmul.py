@@ -102,19 +102,29 @@ def _fits_kernel(x: torch.Tensor, weight: torch.Tensor, max_rows: int, k_dim: in
 
 
 class UnpackScratch(threading.local):
-    """One float32 buffer per weight shape (and thread) that many-row calls unpack packed
-    weights into: unpacking into fresh memory cost ~5x the unpacking itself (page faults),
-    which made a prefill step ~70% slower than on float32 weights; reused, ~8%."""
+    """One buffer per weight shape and dtype (and thread) that many-row calls unpack packed
+    weights, or round float32 ones, into: unpacking into fresh memory cost ~5x the
+    unpacking itself (page faults), which made a prefill step ~70% slower than on float32
+    weights; reused, ~8%."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
-    def unpacked(self, kernel: CpuSmallGemm, weight: PackedWeight) -> torch.Tensor:
-        """W [K, N] in this thread's buffer for the shape: valid until the next call."""
-        buffer = self.buffers.get((weight.k, weight.n))
+    def _buffer(self, k: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self.buffers.get((k, n, dtype))
         if buffer is None:
-            buffer = self.buffers[(weight.k, weight.n)] = torch.empty(weight.k, weight.n)
-        return kernel.unpack(weight, out=buffer)
+            buffer = self.buffers[(k, n, dtype)] = torch.empty(k, n, dtype=dtype)
+        return buffer
+
+    def unpacked(
+        self, kernel: CpuSmallGemm, weight: PackedWeight, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """W [K, N] in `dtype`, in this thread's buffer for the shape: valid until the next call."""
+        return kernel.unpack(weight, out=self._buffer(weight.k, weight.n, dtype))
+
+    def rounded(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A float32 weight copied into `dtype`, in this thread's buffer for the shape."""
+        return self._buffer(weight.shape[0], weight.shape[1], dtype).copy_(weight)
 
 
 @dataclass(frozen=True)
@@ -126,11 +136,17 @@ class SmallRowsMatmul:
     weight is unpacked for the call). One limit for both layouts: then a whole decode
     step of up to `max_rows` sequences runs on the C kernels and every sequence's logits
     are bitwise independent of the batch.
+
+    `many_rows_dtype=torch.bfloat16` runs the larger projection calls (`mm`) in bfloat16
+    through oneDNN: x and W rounded to bfloat16, float32 accumulation, a bfloat16 result
+    widened back. Where the CPU multiplies bfloat16 natively (AVX512_BF16, AMX) that is
+    ~2.7x float32's rate; `linear` (the lm_head, a few rows per step) stays float32.
     """
 
     kernel: CpuSmallGemm
     max_rows: int
     name: str = "cpu-c"
+    many_rows_dtype: torch.dtype = torch.float32
     scratch: UnpackScratch = field(default_factory=UnpackScratch, compare=False, repr=False)
 
     def mm(
@@ -141,13 +157,31 @@ class SmallRowsMatmul:
     ) -> torch.Tensor:
         if isinstance(weight_in_out, PackedWeight):
             if not _fits_rows(x, self.max_rows, weight_in_out.k):
-                dense = self.scratch.unpacked(self.kernel, weight_in_out)
-                return TORCH_MATMUL.mm(x, dense, bias)
+                return self._many_rows_mm(x, weight_in_out, bias)
             out = self.kernel.packed_mm_unchecked(x, weight_in_out)
         elif _fits_kernel(x, weight_in_out, self.max_rows, 0):
             out = self.kernel.mm_unchecked(x, weight_in_out)
         else:
-            return TORCH_MATMUL.mm(x, weight_in_out, bias)
+            return self._many_rows_mm(x, weight_in_out, bias)
+        return out if bias is None else out.add_(bias)
+
+    def _many_rows_mm(
+        self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        rounds = (
+            self.many_rows_dtype != torch.float32
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.shape[0] > self.max_rows
+        )
+        dtype = self.many_rows_dtype if rounds else torch.float32
+        if isinstance(weight, PackedWeight):
+            weight = self.scratch.unpacked(self.kernel, weight, dtype)
+        elif rounds and weight.dtype == torch.float32 and weight.dim() == 2:
+            weight = self.scratch.rounded(weight, dtype)
+        if not rounds or weight.dtype != dtype:
+            return TORCH_MATMUL.mm(x, weight, bias)
+        out = torch.mm(x.to(dtype), weight).to(torch.float32)
         return out if bias is None else out.add_(bias)
 
     def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight) -> torch.Tensor:

@@ -249,32 +249,7 @@ static void sf_packed_range(const float *xt, const uint8_t *wq, const uint8_t *f
 }
 
 #elif SF_ISA == 2
-/* AVX2: the walk of sf_mm_range over groups, with one dequantized block (kb × 16
- * columns, in L1) in place of the weight rows. */
-static void sf_packed_range(const float *x, const uint8_t *wq, const uint8_t *formats,
-                            const int64_t *offsets, float *out, int64_t M, int64_t K,
-                            int64_t N, int64_t g0, int64_t g1) {
-    float scratch[SF_KB * SF_QCOLS] __attribute__((aligned(64)));
-    const int64_t kb = M <= SF_FEW_ROWS ? SF_KB_FEW : SF_KB;
-    for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        const int64_t kn = K - k0 < kb ? K - k0 : kb;
-        for (int64_t g = g0; g < g1; g++) {
-            const int64_t block_bytes = sf_format_bytes(formats[g]);
-            for (int64_t b = 0; b < kn / SF_QK; b++)
-                sf_dequant_block(formats[g], wq + offsets[g] + (k0 / SF_QK + b) * block_bytes,
-                                 scratch + b * SF_QK * SF_QCOLS, SF_QCOLS);
-            const int nc = SF_QCOLS / SF_VL;
-            sf_vmask masks[SF_NC];
-            for (int c = 0; c < nc; c++) masks[c] = sf_mask_first(N - (g * SF_QCOLS + c * SF_VL));
-            for (int64_t m0 = 0; m0 < M; m0 += SF_MM_MB) {
-                const int mb = (int)(M - m0 < SF_MM_MB ? M - m0 : SF_MM_MB);
-                sf_mm_table[mb - 1][nc - 1](x + m0 * K + k0, K, scratch, SF_QCOLS,
-                                            out + m0 * N + g * SF_QCOLS, N, kn, masks, k0 == 0,
-                                            NULL);
-            }
-        }
-    }
-}
+#include "sf_packed_avx2.h" /* AVX2: weights dequantized in registers too */
 
 #else /* plain C: the summation order of the plain dense path */
 
@@ -361,31 +336,46 @@ int sf_packed_mm(const float *x, const uint8_t *wq, const uint8_t *formats,
     return 0;
 }
 
-/* Groups [g0, g1) of W [K, N] as float32 into out (row stride N). */
+/* float32 -> bfloat16 bits, rounded to nearest even as torch rounds (weights are finite). */
+static inline uint16_t sf_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Groups [g0, g1) of W [K, N] into out (row stride N): float32, or bfloat16 when bf16. */
 static void sf_unpack_range(const uint8_t *wq, const uint8_t *formats, const int64_t *offsets,
-                            float *out, int64_t K, int64_t N, int64_t g0, int64_t g1) {
+                            void *out, int bf16, int64_t K, int64_t N, int64_t g0, int64_t g1) {
     float scratch[SF_QK * SF_QCOLS];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t cols = N - g * SF_QCOLS < SF_QCOLS ? N - g * SF_QCOLS : SF_QCOLS;
         const int64_t block_bytes = sf_format_bytes(formats[g]);
         for (int64_t b = 0; b < K / SF_QK; b++) {
             const uint8_t *block = wq + offsets[g] + b * block_bytes;
-            float *dst = out + b * SF_QK * N + g * SF_QCOLS;
-            if (cols == SF_QCOLS) {
-                sf_dequant_block(formats[g], block, dst, N);
+            const int64_t at = b * SF_QK * N + g * SF_QCOLS;
+            if (!bf16 && cols == SF_QCOLS) {
+                sf_dequant_block(formats[g], block, (float *)out + at, N);
                 continue;
             }
             sf_dequant_block(formats[g], block, scratch, SF_QCOLS);
-            for (int k = 0; k < SF_QK; k++)
-                memcpy(dst + k * N, scratch + k * SF_QCOLS, (size_t)cols * sizeof(float));
+            for (int k = 0; k < SF_QK; k++) {
+                const float *row = scratch + k * SF_QCOLS;
+                if (!bf16) {
+                    memcpy((float *)out + at + k * N, row, (size_t)cols * sizeof(float));
+                    continue;
+                }
+                uint16_t *dst = (uint16_t *)out + at + k * N;
+                for (int64_t c = 0; c < cols; c++) dst[c] = sf_to_bf16(row[c]);
+            }
         }
     }
 }
 
-/* out[K, N] = W, the float32 weight a packed one holds (bitwise the checkpoint's
- * dequantized values): what a many-row call multiplies with MKL. Returns 0 or 3. */
+/* out[K, N] = W, the weight a packed one holds: float32 (bitwise the checkpoint's
+ * dequantized values), or those values rounded to bfloat16 when bf16 is set. What a
+ * many-row call multiplies with MKL / oneDNN. Returns 0 or 3. */
 int sf_packed_unpack(const uint8_t *wq, const uint8_t *formats, const int64_t *offsets,
-                     float *out, int64_t K, int64_t N, int num_threads) {
+                     void *out, int bf16, int64_t K, int64_t N, int num_threads) {
     const int64_t groups = (N + SF_QCOLS - 1) / SF_QCOLS;
     if (sf_packed_check(formats, K, groups)) return 3;
     if (N <= 0 || K <= 0) return 0;
@@ -396,10 +386,10 @@ int sf_packed_unpack(const uint8_t *wq, const uint8_t *formats, const int64_t *o
     {
         int64_t lo, hi;
         sf_share(groups, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        sf_unpack_range(wq, formats, offsets, out, K, N, lo, hi);
+        sf_unpack_range(wq, formats, offsets, out, bf16, K, N, lo, hi);
     }
 #else
-    sf_unpack_range(wq, formats, offsets, out, K, N, 0, groups);
+    sf_unpack_range(wq, formats, offsets, out, bf16, K, N, 0, groups);
 #endif
     return 0;
 }
