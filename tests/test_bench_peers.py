@@ -84,12 +84,12 @@ def test_vllm_cpu_runs_float32_bound_to_both_cores() -> None:
 
 
 def test_each_engine_runs_in_the_dtype_asked() -> None:
-    bf16 = PeerSettings(gguf="/m.gguf", vllm_dtype="bfloat16", prefill_dtype="bfloat16")
+    bf16 = PeerSettings(gguf="/m.gguf", vllm_dtype="bfloat16", matmul_dtype="bfloat16")
     found = installed({"vllm": "/bin/vllm"}, set())
     ours, _, vllm = resolve_peers(bf16, found=found)
     assert isinstance(ours, PeerCommand) and isinstance(vllm, PeerCommand)
     ours_argv, vllm_argv = ours.argv_for(1), vllm.argv_for(2)
-    assert ours_argv[ours_argv.index("--prefill-dtype") + 1] == "bfloat16"
+    assert ours_argv[ours_argv.index("--matmul-dtype") + 1] == "bfloat16"
     assert vllm_argv[vllm_argv.index("--dtype") + 1] == "bfloat16"
     assert "bfloat16" in ours.note and "bfloat16" in vllm.note
 

@@ -9,13 +9,14 @@ also checked in the portable build (-DSF_NO_FLOAT16) that compilers without _Flo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from servefleet.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
-from servefleet.engine.kernels import cbuild, cpu_fused_ops, cpu_paged_decode
+from servefleet.engine.kernels import SmallRowsMatmul, cbuild, cpu_fused_ops, cpu_paged_decode
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode, load_cpu_paged_decode
 from servefleet.engine.kv_quant import quantize_rows, row_width
@@ -264,15 +265,33 @@ def test_model_with_fused_ops_matches_without(ops: CpuFusedOps, cache_dtype: tor
     torch.testing.assert_close(run(ops), run(None), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize(
+    ("cache_dtype", "bf16"), [(torch.float32, False), (torch.int8, False), (torch.float32, True)]
+)
 def test_decode_layers_in_one_call_give_the_python_paths_bits(  # type: ignore[no-untyped-def]
-    smollm2, cache_dtype: torch.dtype
+    smollm2, cache_dtype: torch.dtype, bf16: bool
 ) -> None:
     """A decode step of SmolLM2 through the one-call C program and through the model's
     per-layer Python path: the same hidden states and the same KV-cache writes, bitwise
-    (an int8 cache quantized on write by the same C code in both)."""
+    (an int8 cache quantized on write by the same C code in both; bfloat16 products from
+    the same packed kernel in both)."""
     model = smollm2.model
     assert model.fused_ops is not None
+    if bf16:
+        matmul = model.matmul
+        assert isinstance(matmul, SmallRowsMatmul)
+        if not matmul.kernel.bf16_products:
+            pytest.skip("bfloat16 products need AVX512_BF16 hardware, which this CPU lacks")
+        model.set_matmul(replace(matmul, bf16_min_rows=1))
+        try:
+            _one_call_against_per_layer(model, cache_dtype)
+        finally:
+            model.set_matmul(matmul)
+        return
+    _one_call_against_per_layer(model, cache_dtype)
+
+
+def _one_call_against_per_layer(model: LlamaForCausalLM, cache_dtype: torch.dtype) -> None:
     config = model.config
     prompts = [list(range(100 + i, 140 + 7 * i)) for i in range(5)]
 

@@ -140,21 +140,50 @@ def test_quantized_perplexity_and_agreement_meet_the_goals(
     assert top1 >= MIN_AGREEMENT[mode]
 
 
-def test_bfloat16_prefill_meets_the_int8_goals(
+def test_bfloat16_prompt_matmuls_meet_the_int8_goals(
     float_checkpoint: Checkpoint,
     prompts: list[list[int]],
     reference: tuple[float, list[torch.Tensor]],
 ) -> None:
-    """`--prefill-dtype bfloat16` with every projection call taken as a prefill-sized one
-    (max_rows=0), the worst case: +0.12 % perplexity, 99.3 % top-1 when written."""
+    """`--matmul-dtype bfloat16` on float weights, every projection call taken as a
+    prompt-sized one (max_rows=0: oneDNN): +0.12 % perplexity, 99.3 % top-1 when written."""
     base_ppl, base_logits = reference
     loaded = float_model(float_checkpoint, None)
     kernel = select_small_mm("cpu")
     assert kernel is not None
-    loaded.model.set_matmul(SmallRowsMatmul(kernel, max_rows=0, many_rows_dtype=torch.bfloat16))
+    loaded.model.set_matmul(SmallRowsMatmul(kernel, max_rows=0, bf16_min_rows=1))
     logits = prompt_logits(loaded, prompts)
     ppl, top1 = perplexity(logits, prompts), agreement(logits, base_logits)
-    print(f"bfloat16 prefill: perplexity {ppl:.4f} ({ppl / base_ppl - 1:+.2%}), top-1 {top1:.2%}")
+    print(f"bfloat16 (oneDNN): perplexity {ppl:.4f} ({ppl / base_ppl - 1:+.2%}), top-1 {top1:.2%}")
     assert logits[0].ne(base_logits[0]).any()  # the matmuls did run in bfloat16
+    assert ppl <= base_ppl * (1 + GOALS["int8"])
+    assert top1 >= MIN_AGREEMENT["int8"]
+
+
+def test_bfloat16_packed_products_meet_the_int8_goals(prompts: list[list[int]]) -> None:
+    """`--matmul-dtype bfloat16` on the GGUF's packed weights, every call (projections and
+    lm_head) through the C kernel's bfloat16 products, against the same packed model in
+    float32."""
+    kernel = select_small_mm("cpu")
+    assert kernel is not None
+    if not kernel.bf16_products:
+        pytest.skip("bfloat16 products need AVX512_BF16 hardware, which this CPU lacks")
+    packed = read_checkpoint(BUILTIN)
+    assert packed.packed
+    runs = []
+    for bf16_min_rows in (None, 1):
+        checkpoint = replace(packed, weights=dict(packed.weights), packed=dict(packed.packed))
+        loaded = model_from_checkpoint(checkpoint)
+        loaded.model.set_matmul(SmallRowsMatmul(kernel, max_rows=64, bf16_min_rows=bf16_min_rows))
+        loaded.model.set_fused_ops(select_fused_ops("cpu"))
+        loaded.model.set_attention(PagedAttention(select_decode_kernel("cpu")[1]))
+        assert loaded.model.packed_summary()["tensors"] == 4 * loaded.config.num_layers + 1
+        runs.append(prompt_logits(loaded, prompts))
+    base_ppl, ppl = (perplexity(logits, prompts) for logits in runs)
+    top1 = agreement(runs[1], runs[0])
+    print(
+        f"bfloat16 (packed C): perplexity {ppl:.4f} ({ppl / base_ppl - 1:+.2%}), top-1 {top1:.2%}"
+    )
+    assert runs[1][0].ne(runs[0][0]).any()
     assert ppl <= base_ppl * (1 + GOALS["int8"])
     assert top1 >= MIN_AGREEMENT["int8"]

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from servefleet.api.prefill_dtype import PREFILL_DTYPE_FLAG
+from servefleet.api.matmul_dtype import MATMUL_DTYPE_FLAG
 from servefleet.bench.client import Endpoint
 from servefleet.bench.processes import servefleet_command
 
@@ -46,7 +46,7 @@ class PeerSettings:
     vllm_kv_space_gib: int = 1
     vllm_model: str | None = None  # an HF folder for vLLM when its GGUF support falls short
     vllm_dtype: str = "float32"  # `peers.fastest_dtype` picks each engine's for the CPU
-    prefill_dtype: str = "float32"  # ours: the dtype of prompt-sized matmuls
+    matmul_dtype: str = "float32"  # ours
     kv_cache_dtype: str = "auto"  # ours
     host: str = "127.0.0.1"
 
@@ -88,12 +88,12 @@ def servefleet_peer(s: PeerSettings) -> PeerCommand:
         str(s.threads),
         "--max-num-seqs",
         str(s.parallel),
-        PREFILL_DTYPE_FLAG,
-        s.prefill_dtype,
+        MATMUL_DTYPE_FLAG,
+        s.matmul_dtype,
         "--kv-cache-dtype",
         s.kv_cache_dtype,
     )
-    note = f"prefill matmuls in {s.prefill_dtype}, KV cache {s.kv_cache_dtype}"
+    note = f"matmuls in {s.matmul_dtype}, KV cache {s.kv_cache_dtype}"
     return PeerCommand(SERVEFLEET, argv, "/ready", note=note)
 
 

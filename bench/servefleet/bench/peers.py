@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from servefleet.api.kv_cache import KV_CACHE_DTYPES
-from servefleet.api.prefill_dtype import PREFILL_DTYPES
+from servefleet.api.matmul_dtype import MATMUL_DTYPES
 from servefleet.bench.benchmark import BenchOptions, run_benchmark
 from servefleet.bench.engine_process import EngineProcess, EngineStartError
 from servefleet.bench.peer_commands import (
@@ -54,12 +54,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vLLM's --dtype (auto: bfloat16 where the CPU has AVX512_BF16 or AMX, else float32)",
     )
     p.add_argument(
-        "--prefill-dtype",
+        "--matmul-dtype",
         default="auto",
-        choices=["auto", *PREFILL_DTYPES],
+        choices=["auto", *MATMUL_DTYPES],
         help="ours (auto: as for vLLM)",
     )
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="ours")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="int8",
+        choices=KV_CACHE_DTYPES,
+        help="ours (int8: +0.19 %% perplexity, ~15 %% faster decode steps at c=16)",
+    )
     p.add_argument("--c1-prompts", type=int, default=8)
     p.add_argument("--c16-prompts", type=int, default=32)
     p.add_argument("--input-tokens", type=int, default=200)
@@ -80,7 +85,7 @@ def settings_from(args: argparse.Namespace) -> PeerSettings:
         parallel=args.parallel,
         vllm_model=args.vllm_model,
         vllm_dtype=fastest_dtype(args.vllm_dtype),
-        prefill_dtype=fastest_dtype(args.prefill_dtype),
+        matmul_dtype=fastest_dtype(args.matmul_dtype),
         kv_cache_dtype=args.kv_cache_dtype,
     )
 

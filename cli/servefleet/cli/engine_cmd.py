@@ -39,9 +39,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 QUANTIZATION_FLAG = "--quantization"
 LOAD_QUANTIZATIONS = ("int8", "int4")
 
-# Spelled as `servefleet.api.prefill_dtype` (a test checks it); not imported, as above.
-PREFILL_DTYPE_FLAG = "--prefill-dtype"
-PREFILL_DTYPES = ("float32", "bfloat16")
+# Spelled as `servefleet.api.matmul_dtype` (a test checks it); not imported, as above.
+MATMUL_DTYPE_FLAG = "--matmul-dtype"
+MATMUL_DTYPES = ("float32", "bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,11 +139,12 @@ def _add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         help="projection matmuls: auto uses the C few-row kernels on CPU for decode steps",
     )
     a(
-        PREFILL_DTYPE_FLAG,
-        choices=PREFILL_DTYPES,
+        MATMUL_DTYPE_FLAG,
+        choices=MATMUL_DTYPES,
         default="float32",
-        help="dtype of the projection matmuls of steps over 64 rows (prompt chunks): bfloat16 "
-        "is ~2.7x faster where the CPU has AVX512_BF16 or AMX (default: float32)",
+        help="bfloat16: projection calls of 8+ rows (prompt chunks, decode steps of 8+ "
+        "sequences) in bfloat16 products, ~2.7x prefill and ~1.5x decode matmul speed where the "
+        "CPU has AVX512_BF16 or AMX; not batch-invariant (default: float32)",
     )
     a(
         "--no-packed-weights",

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from servefleet.api.kv_cache import KVCacheDtype
 from servefleet.api.load_quantization import LoadQuantization
-from servefleet.api.prefill_dtype import PrefillDtype
+from servefleet.api.matmul_dtype import MatmulDtype
 from servefleet.api.quantity import parse_memory_size
 from servefleet.api.speculative import SpeculativeConfig
 
@@ -49,11 +49,11 @@ class EngineConfig(BaseModel):
     matmul: Literal["auto", "torch", "cpu-c"] = Field(
         default="auto", description="Projection matmuls: auto = C few-row kernels on CPU."
     )
-    prefill_dtype: PrefillDtype = Field(
+    matmul_dtype: MatmulDtype = Field(
         default="float32",
-        description="Projection matmuls of steps over 64 rows (prompt chunks, and decodes "
-        "batched with one): bfloat16 runs them ~2.7x faster where the CPU multiplies bfloat16 "
-        "natively (AVX512_BF16, AMX); a float32 model on CPU with the C matmuls only.",
+        description="bfloat16: projection calls of 8+ rows (prompt chunks, decode steps of 8+ "
+        "sequences) multiply bfloat16-rounded x and W, summed in float32; fast where the CPU has "
+        "AVX512_BF16 or AMX; a float32 model on CPU with the C matmuls only; not batch-invariant.",
     )
     packed_weights: bool = Field(
         default=True,

@@ -130,14 +130,12 @@ def load_for(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernel_name, kernel = select_decode_kernel(device, prefer=config.decode_kernel)
-    if config.prefill_dtype != "float32" and dtype != torch.float32:
+    if config.matmul_dtype != "float32" and dtype != torch.float32:
         raise EngineSettingsError(
-            f"--prefill-dtype {config.prefill_dtype} rounds a float32 model's prefill matmuls; "
+            f"--matmul-dtype {config.matmul_dtype} rounds a float32 model's matmuls; "
             f"this one runs in {str(dtype).removeprefix('torch.')} throughout"
         )
-    matmul = select_matmul(
-        device, prefer=config.matmul, many_rows_dtype=getattr(torch, config.prefill_dtype)
-    )
+    matmul = select_matmul(device, prefer=config.matmul, dtype=getattr(torch, config.matmul_dtype))
     t0 = time.monotonic()
     loaded = load_model(
         config.model,

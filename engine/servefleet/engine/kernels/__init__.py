@@ -24,7 +24,13 @@ from servefleet.engine.kernels.cpu_small_gemm import (
     IsaCap,
     load_cpu_small_gemm,
 )
-from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul, TorchMatmul
+from servefleet.engine.kernels.matmul import (
+    BF16_MIN_ROWS,
+    TORCH_MATMUL,
+    Matmul,
+    SmallRowsMatmul,
+    TorchMatmul,
+)
 from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode, triton_unavailable
 
 logger = logging.getLogger("servefleet.engine.kernels")
@@ -130,7 +136,7 @@ def select_fused_ops(device: torch.device | str) -> CpuFusedOps | None:
 
 
 @functools.cache
-def _select_matmul(device_type: str, prefer: str, many_rows_dtype: torch.dtype) -> Matmul:
+def _select_matmul(device_type: str, prefer: str, dtype: torch.dtype) -> Matmul:
     if prefer not in ("auto", *MATMUL_NAMES):
         raise ValueError(
             f"unknown matmul backend {prefer!r}; choose one of auto, {', '.join(MATMUL_NAMES)}"
@@ -139,18 +145,21 @@ def _select_matmul(device_type: str, prefer: str, many_rows_dtype: torch.dtype) 
     if prefer != "torch":
         kernel = select_small_mm(device_type)
         if kernel is not None:
-            matmul = SmallRowsMatmul(kernel, SMALL_MM_MAX_ROWS, many_rows_dtype=many_rows_dtype)
+            bf16_min_rows = BF16_MIN_ROWS if dtype == torch.bfloat16 else None
+            matmul = SmallRowsMatmul(kernel, SMALL_MM_MAX_ROWS, bf16_min_rows=bf16_min_rows)
         elif prefer == "cpu-c":
             where = "cpu-c runs on CPU tensors" if device_type != "cpu" else "it could not be built"
             raise KernelUnavailableError(f"cpu-c matmul unavailable: {where}")
-    if many_rows_dtype != torch.float32 and not isinstance(matmul, SmallRowsMatmul):
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"matmul dtype {dtype} is neither float32 nor bfloat16")
+    if dtype != torch.float32 and not isinstance(matmul, SmallRowsMatmul):
         raise KernelUnavailableError(
-            f"{str(many_rows_dtype).removeprefix('torch.')} prefill matmuls need the cpu-c "
-            f"matmuls (CPU, a C compiler, --matmul auto or cpu-c)"
+            "bfloat16 matmuls need the cpu-c matmuls (CPU, a C compiler, --matmul auto or cpu-c)"
         )
     detail = ""
     if isinstance(matmul, SmallRowsMatmul):
-        detail = f" isa={matmul.kernel.isa} many_rows={str(many_rows_dtype).removeprefix('torch.')}"
+        products = "bf16" if matmul.kernel.bf16_products else "f32"
+        detail = f" isa={matmul.kernel.isa} bf16_min_rows={matmul.bf16_min_rows} packed={products}"
     logger.info("matmul for %s: %s%s (prefer=%s)", device_type, matmul.name, detail, prefer)
     return matmul
 
@@ -158,18 +167,19 @@ def _select_matmul(device_type: str, prefer: str, many_rows_dtype: torch.dtype) 
 def select_matmul(
     device: torch.device | str,
     prefer: str = "auto",
-    many_rows_dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32,
 ) -> Matmul:
     """The model's matmul backend: on CPU the C kernels for decode-sized calls, else torch.
 
     `prefer="torch"|"cpu-c"` forces one; a forced cpu-c that cannot run raises
-    KernelUnavailableError, as does a `many_rows_dtype` (the dtype of prefill-sized
-    projection calls) other than float32 without the C kernels.
+    KernelUnavailableError, as does `dtype=torch.bfloat16` (calls of `BF16_MIN_ROWS` rows
+    or more in bfloat16 products) without the C kernels.
     """
-    return _select_matmul(torch.device(device).type, prefer, many_rows_dtype)
+    return _select_matmul(torch.device(device).type, prefer, dtype)
 
 
 __all__ = [
+    "BF16_MIN_ROWS",
     "KERNEL_NAMES",
     "MATMUL_NAMES",
     "SMALL_MM_MAX_ROWS",

@@ -124,8 +124,14 @@ class CpuSmallGemm:
         _check(x, weight_out_in, 1, "small_linear")
         return self.linear_unchecked(x, weight_out_in)
 
-    def packed_mm(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-        """x [M, K] @ W [K, N] with W packed (`packed_weights.pack`)."""
+    @property
+    def bf16_products(self) -> bool:
+        """Whether `packed_mm(..., bf16=True)` runs here (AVX-512 with AVX512_BF16)."""
+        return bool(self.library.sf_packed_bf16_available())
+
+    def packed_mm(self, x: torch.Tensor, weight: PackedWeight, bf16: bool = False) -> torch.Tensor:
+        """x [M, K] @ W [K, N] with W packed (`packed_weights.pack`); `bf16`: x and W
+        rounded to bfloat16, products summed in float32 (`bf16_products` builds only)."""
         if not (
             x.dim() == 2
             and x.dtype == torch.float32
@@ -137,7 +143,7 @@ class CpuSmallGemm:
                 f"packed_mm: x must be contiguous float32 [M, {weight.k}] on the CPU, "
                 f"got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
-        return self.packed_mm_unchecked(x, weight)
+        return self.packed_mm_unchecked(x, weight, bf16)
 
     # The unchecked forms are for callers that already checked dtype, device, contiguity
     # and shapes (see matmul.SmallRowsMatmul): a decode step makes ~120 of these calls.
@@ -160,10 +166,13 @@ class CpuSmallGemm:
         )
         return out
 
-    def packed_mm_unchecked(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    def packed_mm_unchecked(
+        self, x: torch.Tensor, weight: PackedWeight, bf16: bool = False
+    ) -> torch.Tensor:
         m = x.shape[0]
         out = torch.empty(m, weight.n)
-        status = self.library.sf_packed_mm(
+        function = self.library.sf_packed_mm_bf16 if bf16 else self.library.sf_packed_mm
+        status = function(
             x.data_ptr(),
             weight.data.data_ptr(),
             weight.formats.data_ptr(),
@@ -174,6 +183,8 @@ class CpuSmallGemm:
             weight.n,
             _threads(),
         )
+        if status == 5:
+            raise ValueError("packed_mm: bfloat16 products need AVX-512 with AVX512_BF16")
         if status:
             raise ValueError(f"packed_mm: packed weight with k={weight.k} rejected ({status})")
         return out
@@ -223,8 +234,11 @@ def _open(path: Path, threading: GemmThreading) -> ctypes.CDLL:
         function = getattr(library, name)
         function.argtypes = _ARGTYPES
         function.restype = None
-    library.sf_packed_mm.argtypes = _PACKED_ARGTYPES
-    library.sf_packed_mm.restype = ctypes.c_int
+    for name in ("sf_packed_mm", "sf_packed_mm_bf16"):
+        function = getattr(library, name)
+        function.argtypes = _PACKED_ARGTYPES
+        function.restype = ctypes.c_int
+    library.sf_packed_bf16_available.restype = ctypes.c_int
     library.sf_packed_unpack.argtypes = _UNPACK_ARGTYPES
     library.sf_packed_unpack.restype = ctypes.c_int
     library.sf_packed_block_bytes.argtypes = [ctypes.c_int]

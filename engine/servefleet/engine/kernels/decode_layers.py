@@ -118,6 +118,7 @@ class DecodeLayers:
         final_norm: torch.Tensor,
         packed_mm: ctypes.CDLL,
         paged_decode: ctypes.CDLL,
+        bf16_min_rows: int | None = None,
     ) -> None:
         first = layers[0].k_cache
         _check_tensors(shape, layers, (cos, sin, final_norm))
@@ -141,6 +142,10 @@ class DecodeLayers:
             slot.k_cache = layer.k_cache.data_ptr()
             slot.v_cache = layer.v_cache.data_ptr()
         self._layers = array
+        # Steps of bf16_min_rows rows or more use the packed kernel's bfloat16 products.
+        self._f32_mm = ctypes.cast(packed_mm.sf_packed_mm, ctypes.c_void_p).value
+        self._bf16_mm = ctypes.cast(packed_mm.sf_packed_mm_bf16, ctypes.c_void_p).value
+        self.bf16_min_rows = bf16_min_rows
         self._model = _Model(
             num_layers=len(layers),
             hidden=shape.hidden,
@@ -154,7 +159,7 @@ class DecodeLayers:
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
             final_norm=final_norm.data_ptr(),
-            packed_mm=ctypes.cast(packed_mm.sf_packed_mm, ctypes.c_void_p).value,
+            packed_mm=self._f32_mm,
             paged_decode=ctypes.cast(paged_decode.sf_paged_decode, ctypes.c_void_p).value,
             eps=shape.eps,
             scale=shape.scale,
@@ -184,6 +189,8 @@ class DecodeLayers:
         ):  # fmt: skip
             raise ValueError("decode layers: step tensors of the wrong dtype, layout or shape")
         out = torch.empty_like(hidden)
+        bf16 = self.bf16_min_rows is not None and rows >= self.bf16_min_rows
+        self._model.packed_mm = self._bf16_mm if bf16 else self._f32_mm
         status = self._ops.library.sf_decode_layers(
             ctypes.byref(self._model), ctypes.cast(self._layers, ctypes.c_void_p),
             hidden.data_ptr(), out.data_ptr(), rows,

@@ -127,6 +127,12 @@ class UnpackScratch(threading.local):
         return self._buffer(weight.shape[0], weight.shape[1], dtype).copy_(weight)
 
 
+# Fewest rows a call needs before `bf16_min_rows`-style bfloat16 pays: below 8 rows the
+# packed kernel's conversions cost more than its halved multiply-adds save (measured on
+# SmolLM2's Q4_1/Q8_0 shapes: 0.8x at 1 row, 1.0x at 4, 1.3x at 8, 1.5x at 16).
+BF16_MIN_ROWS = 8
+
+
 @dataclass(frozen=True)
 class SmallRowsMatmul:
     """The C kernels for calls of at most `max_rows` rows (float32, CPU, contiguous).
@@ -137,17 +143,26 @@ class SmallRowsMatmul:
     step of up to `max_rows` sequences runs on the C kernels and every sequence's logits
     are bitwise independent of the batch.
 
-    `many_rows_dtype=torch.bfloat16` runs the larger projection calls (`mm`) in bfloat16
-    through oneDNN: x and W rounded to bfloat16, float32 accumulation, a bfloat16 result
-    widened back. Where the CPU multiplies bfloat16 natively (AVX512_BF16, AMX) that is
-    ~2.7x float32's rate; `linear` (the lm_head, a few rows per step) stays float32.
+    `bf16_min_rows` (None: off) runs every call of at least that many rows in bfloat16 —
+    x and W rounded, products summed in float32: larger `mm` calls through oneDNN (~2.7x
+    float32's rate where the CPU multiplies bfloat16 natively), and packed weights' calls up
+    to `max_rows` through the C kernel's bfloat16 products where it has them
+    (`CpuSmallGemm.bf16_products`, ~1.5x at 16 rows). A sequence's result then depends on
+    how many rows its step had; the lm_head's larger calls stay float32.
     """
 
     kernel: CpuSmallGemm
     max_rows: int
     name: str = "cpu-c"
-    many_rows_dtype: torch.dtype = torch.float32
+    bf16_min_rows: int | None = None
     scratch: UnpackScratch = field(default_factory=UnpackScratch, compare=False, repr=False)
+
+    def bf16_rows(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs in bfloat16 products."""
+        return self.bf16_min_rows is not None and rows >= self.bf16_min_rows
+
+    def _packed_bf16(self, rows: int) -> bool:
+        return self.bf16_rows(rows) and self.kernel.bf16_products
 
     def mm(
         self,
@@ -158,7 +173,8 @@ class SmallRowsMatmul:
         if isinstance(weight_in_out, PackedWeight):
             if not _fits_rows(x, self.max_rows, weight_in_out.k):
                 return self._many_rows_mm(x, weight_in_out, bias)
-            out = self.kernel.packed_mm_unchecked(x, weight_in_out)
+            bf16 = self._packed_bf16(x.shape[0])
+            out = self.kernel.packed_mm_unchecked(x, weight_in_out, bf16)
         elif _fits_kernel(x, weight_in_out, self.max_rows, 0):
             out = self.kernel.mm_unchecked(x, weight_in_out)
         else:
@@ -169,12 +185,12 @@ class SmallRowsMatmul:
         self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         rounds = (
-            self.many_rows_dtype != torch.float32
-            and x.dtype == torch.float32
+            x.dtype == torch.float32
             and x.dim() == 2
             and x.shape[0] > self.max_rows
+            and self.bf16_rows(x.shape[0])
         )
-        dtype = self.many_rows_dtype if rounds else torch.float32
+        dtype = torch.bfloat16 if rounds else torch.float32
         if isinstance(weight, PackedWeight):
             weight = self.scratch.unpacked(self.kernel, weight, dtype)
         elif rounds and weight.dtype == torch.float32 and weight.dim() == 2:
@@ -188,7 +204,8 @@ class SmallRowsMatmul:
         if isinstance(weight_out_in, PackedWeight):
             if not _fits_rows(x, self.max_rows, weight_out_in.k):
                 return torch.mm(x, self.scratch.unpacked(self.kernel, weight_out_in))
-            return self.kernel.packed_mm_unchecked(x, weight_out_in)
+            bf16 = self._packed_bf16(x.shape[0])
+            return self.kernel.packed_mm_unchecked(x, weight_out_in, bf16)
         if not _fits_kernel(x, weight_out_in, self.max_rows, 1):
             return TORCH_MATMUL.linear(x, weight_out_in)
         return self.kernel.linear_unchecked(x, weight_out_in)

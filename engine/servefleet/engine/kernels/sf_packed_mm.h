@@ -393,3 +393,4 @@ int sf_packed_unpack(const uint8_t *wq, const uint8_t *formats, const int64_t *o
 #endif
     return 0;
 }
+#include "sf_packed_bf16.h" /* bfloat16 products on AVX512_BF16 */

@@ -72,7 +72,8 @@ def build_decode_layers(
         head_dim=config.head_dim, intermediate=config.intermediate_size,
         eps=config.rms_norm_eps, scale=config.head_dim**-0.5,
     )  # fmt: skip
+    bf16_min_rows = matmul.bf16_min_rows if matmul.kernel.bf16_products else None
     return DecodeLayers(
         ops, shape, tensors, rope[0], rope[1], final_norm,
-        matmul.kernel.library, kernel.library,
+        matmul.kernel.library, kernel.library, bf16_min_rows,
     )  # fmt: skip
