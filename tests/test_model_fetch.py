@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +17,10 @@ import pytest
 from servefleet.api.fetch_progress import FetchProgress, parse_line
 from servefleet.api.model_source import ModelSource
 from servefleet.engine.fetch import FetchError, fetch_model, fetch_until_done
+from servefleet.engine.fetch import progress as fetch_progress
 from servefleet.engine.fetch.cache import PARTIAL_DIR
 from servefleet.engine.fetch.fetcher import RetryPolicy
+from servefleet.engine.fetch.progress import ProgressLog
 from tests.support.model_servers import HubRepo, ModelFileServer, model_file_server, s3_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +43,32 @@ def files() -> Iterator[ModelFileServer]:
 
 def url_source(server: ModelFileServer, name: str) -> ModelSource:
     return ModelSource(url=f"{server.url}/files/{name}?sig=1")
+
+
+def test_the_final_progress_line_is_never_overtaken_by_a_stale_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The thread measured 0 bytes and is slow to log it while the caller logs the final
+    size: the caller's line must still come last (it once did not, now and then)."""
+    measured, release = threading.Event(), threading.Event()
+
+    def folder_bytes(_: Path) -> int:
+        if not measured.is_set():  # the thread's first look: the download has not begun
+            measured.set()
+            release.wait(5)
+            return 0
+        return 100
+
+    monkeypatch.setattr(fetch_progress, "folder_bytes", folder_bytes)
+    lines = Lines()
+    with ProgressLog(tmp_path, 100, lines.append, interval=0.001) as log:
+        assert measured.wait(5)
+        caller = threading.Thread(target=log.report)
+        caller.start()
+        time.sleep(0.05)  # the caller now waits for the thread's line (or, unlocked, logs first)
+        release.set()
+        caller.join(5)
+    assert [r.done_bytes for r in lines.reports()] == [0, 100]
 
 
 # --------------------------------------------------------------------------- plain HTTP

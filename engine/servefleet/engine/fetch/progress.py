@@ -27,6 +27,9 @@ class ProgressLog:
         self._interval = interval
         self._stop = threading.Event()
         self._last: int | None = None
+        # Measure and emit under one lock: the thread's line and the caller's final one
+        # could otherwise cross, and a stale size would be the last line logged.
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="fetch-progress", daemon=True)
 
     def __enter__(self) -> ProgressLog:
@@ -43,11 +46,12 @@ class ProgressLog:
 
     def report(self) -> None:
         """Log the bytes on disk now, unless unchanged since the last line."""
-        done = folder_bytes(self._folder)
-        if self._total is not None:
-            done = min(done, self._total)
-        if done == self._last:
-            return
-        self._last = done
-        progress = FetchProgress(state="progress", done_bytes=done, total_bytes=self._total)
-        self._emit(progress.model_copy(update={"message": progress.summary()}).line())
+        with self._lock:
+            done = folder_bytes(self._folder)
+            if self._total is not None:
+                done = min(done, self._total)
+            if done == self._last:
+                return
+            self._last = done
+            progress = FetchProgress(state="progress", done_bytes=done, total_bytes=self._total)
+            self._emit(progress.model_copy(update={"message": progress.summary()}).line())
