@@ -182,6 +182,33 @@ async def test_redis_down_falls_back_to_per_replica_limits_and_recovers() -> Non
         await limiter.close()
 
 
+async def test_limits_are_shared_again_when_redis_returns_without_any_request() -> None:
+    """Recovery must not wait for traffic: with no request after Redis came back, the
+    lease loop's ping clears the degraded state (the fault suite once saw the gauge stuck
+    at 1 because the load ended inside the back-off)."""
+    port = free_port()
+    limiter = FailoverLimiter(
+        RedisLimiter(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, lease_ttl_s=30.0),
+        LocalLimiter(),
+        min_backoff_s=0.05,
+        max_backoff_s=0.2,
+    )
+    await limiter.reserve(_scope(requests_per_minute=10), 1)  # nothing listens yet
+    assert limiter.degraded
+    task = asyncio.create_task(limiter.keep_leases())
+    proc = start_redis(port)
+    try:
+        deadline = time.monotonic() + 5  # far under the 10 s lease renewal period
+        while limiter.degraded and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not limiter.degraded and not task.done()
+    finally:
+        task.cancel()
+        proc.terminate()
+        proc.wait(timeout=10)
+        await limiter.close()
+
+
 # --- the spill-over rate cap ----------------------------------------------------------
 
 

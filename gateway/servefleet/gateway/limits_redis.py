@@ -242,12 +242,15 @@ class FailoverLimiter:
             except RedisUnavailable as exc:
                 self._failed("reserve", exc)
             else:
-                if self.degraded:
-                    log.warning("redis is back; limits are shared across replicas again")
-                    self.degraded = False
-                    self._backoff = self._min_backoff
+                self._recovered()
                 return decision
         return self.fallback.reserve_now(self._local_scopes(scopes), tokens)
+
+    def _recovered(self) -> None:
+        if self.degraded:
+            log.warning("redis is back; limits are shared across replicas again")
+            self.degraded = False
+            self._backoff = self._min_backoff
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         # Settle where the reservation was made; the fallback's scopes are already scaled.
@@ -262,13 +265,33 @@ class FailoverLimiter:
 
     async def keep_leases(self) -> None:
         """Renew this gateway's concurrency leases in Redis for as long as it runs (a task the
-        gateway starts and cancels); an unreachable Redis is one more failure, never the end."""
+        gateway starts and cancels); an unreachable Redis is one more failure, never the end.
+        While degraded it also pings Redis each time the back-off ends, so the limits are
+        shared again as soon as Redis is back, whether or not requests arrive to notice."""
+        renew_every = self.primary.lease_ttl_s / 3
+        since_renewal = 0.0
         while True:
-            await asyncio.sleep(self.primary.lease_ttl_s / 3)
-            try:
-                await self.primary.renew_leases()
-            except RedisUnavailable as exc:
-                self._failed("renew", exc)
+            step = renew_every - since_renewal
+            if self.degraded:
+                step = min(step, self._min_backoff)
+            await asyncio.sleep(step)
+            since_renewal += step
+            if self.degraded and self._clock() >= self._retry_at:
+                await self._probe()
+            if since_renewal >= renew_every:
+                since_renewal = 0.0
+                try:
+                    await self.primary.renew_leases()
+                except RedisUnavailable as exc:
+                    self._failed("renew", exc)
+
+    async def _probe(self) -> None:
+        try:
+            await self.primary.ping()
+        except RedisUnavailable as exc:
+            self._failed("ping", exc)
+        else:
+            self._recovered()
 
     async def close(self) -> None:
         await self.primary.close()

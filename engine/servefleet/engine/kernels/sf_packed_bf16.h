@@ -132,15 +132,9 @@ int sf_packed_mm_bf16(const float *x, const uint8_t *wq, const uint8_t *formats,
     (void)num_threads;
     return 5;
 #else
+    const int begun = sf_packed_begin(formats, out, M, K, N, &num_threads);
+    if (begun >= 0) return begun;
     const int64_t groups = (N + SF_QCOLS - 1) / SF_QCOLS;
-    if (sf_packed_check(formats, K, groups)) return 3;
-    if (M <= 0 || N <= 0) return 0;
-    if (K == 0) {
-        memset(out, 0, (size_t)(M * N) * sizeof(float));
-        return 0;
-    }
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > groups) num_threads = (int)groups;
     const int64_t tiles = (M + SF_PACKED_MB - 1) / SF_PACKED_MB;
     uint32_t *xp = aligned_alloc(64, (size_t)(tiles * (K / 2) * SF_PACKED_MB) * sizeof(uint32_t));
     if (xp == NULL) return 4;

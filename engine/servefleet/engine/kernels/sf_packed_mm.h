@@ -284,12 +284,10 @@ static int sf_packed_check(const uint8_t *formats, int64_t K, int64_t groups) {
     return 0;
 }
 
-/* out[M,N] = x[M,K] @ W[K,N], W packed (see the top of this file). Returns 0; 3 when K
- * is not a multiple of 32 or a group's format is unknown; 4 when scratch memory cannot
- * be had. */
-int sf_packed_mm(const float *x, const uint8_t *wq, const uint8_t *formats,
-                 const int64_t *offsets, float *out, int64_t M, int64_t K, int64_t N,
-                 int num_threads) {
+/* What every packed entry point does first: -1 to go on (with *num_threads clamped to
+ * 1..groups), else the status to return (3: see sf_packed_check; 0: nothing to compute). */
+static int sf_packed_begin(const uint8_t *formats, float *out, int64_t M, int64_t K, int64_t N,
+                           int *num_threads) {
     const int64_t groups = (N + SF_QCOLS - 1) / SF_QCOLS;
     if (sf_packed_check(formats, K, groups)) return 3;
     if (M <= 0 || N <= 0) return 0;
@@ -297,8 +295,20 @@ int sf_packed_mm(const float *x, const uint8_t *wq, const uint8_t *formats,
         memset(out, 0, (size_t)(M * N) * sizeof(float));
         return 0;
     }
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > groups) num_threads = (int)groups;
+    if (*num_threads < 1) *num_threads = 1;
+    if (*num_threads > groups) *num_threads = (int)groups;
+    return -1;
+}
+
+/* out[M,N] = x[M,K] @ W[K,N], W packed (see the top of this file). Returns 0; 3 when K
+ * is not a multiple of 32 or a group's format is unknown; 4 when scratch memory cannot
+ * be had. */
+int sf_packed_mm(const float *x, const uint8_t *wq, const uint8_t *formats,
+                 const int64_t *offsets, float *out, int64_t M, int64_t K, int64_t N,
+                 int num_threads) {
+    const int begun = sf_packed_begin(formats, out, M, K, N, &num_threads);
+    if (begun >= 0) return begun;
+    const int64_t groups = (N + SF_QCOLS - 1) / SF_QCOLS;
 #if SF_ISA == 3
     float *xt = NULL;
     if (M > SF_PACKED_DIRECT_MB) {
@@ -336,61 +346,5 @@ int sf_packed_mm(const float *x, const uint8_t *wq, const uint8_t *formats,
     return 0;
 }
 
-/* float32 -> bfloat16 bits, rounded to nearest even as torch rounds (weights are finite). */
-static inline uint16_t sf_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* Groups [g0, g1) of W [K, N] into out (row stride N): float32, or bfloat16 when bf16. */
-static void sf_unpack_range(const uint8_t *wq, const uint8_t *formats, const int64_t *offsets,
-                            void *out, int bf16, int64_t K, int64_t N, int64_t g0, int64_t g1) {
-    float scratch[SF_QK * SF_QCOLS];
-    for (int64_t g = g0; g < g1; g++) {
-        const int64_t cols = N - g * SF_QCOLS < SF_QCOLS ? N - g * SF_QCOLS : SF_QCOLS;
-        const int64_t block_bytes = sf_format_bytes(formats[g]);
-        for (int64_t b = 0; b < K / SF_QK; b++) {
-            const uint8_t *block = wq + offsets[g] + b * block_bytes;
-            const int64_t at = b * SF_QK * N + g * SF_QCOLS;
-            if (!bf16 && cols == SF_QCOLS) {
-                sf_dequant_block(formats[g], block, (float *)out + at, N);
-                continue;
-            }
-            sf_dequant_block(formats[g], block, scratch, SF_QCOLS);
-            for (int k = 0; k < SF_QK; k++) {
-                const float *row = scratch + k * SF_QCOLS;
-                if (!bf16) {
-                    memcpy((float *)out + at + k * N, row, (size_t)cols * sizeof(float));
-                    continue;
-                }
-                uint16_t *dst = (uint16_t *)out + at + k * N;
-                for (int64_t c = 0; c < cols; c++) dst[c] = sf_to_bf16(row[c]);
-            }
-        }
-    }
-}
-
-/* out[K, N] = W, the weight a packed one holds: float32 (bitwise the checkpoint's
- * dequantized values), or those values rounded to bfloat16 when bf16 is set. What a
- * many-row call multiplies with MKL / oneDNN. Returns 0 or 3. */
-int sf_packed_unpack(const uint8_t *wq, const uint8_t *formats, const int64_t *offsets,
-                     void *out, int bf16, int64_t K, int64_t N, int num_threads) {
-    const int64_t groups = (N + SF_QCOLS - 1) / SF_QCOLS;
-    if (sf_packed_check(formats, K, groups)) return 3;
-    if (N <= 0 || K <= 0) return 0;
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > groups) num_threads = (int)groups;
-#if SF_THREADING == 2
-#pragma omp parallel num_threads(num_threads)
-    {
-        int64_t lo, hi;
-        sf_share(groups, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        sf_unpack_range(wq, formats, offsets, out, bf16, K, N, lo, hi);
-    }
-#else
-    sf_unpack_range(wq, formats, offsets, out, bf16, K, N, 0, groups);
-#endif
-    return 0;
-}
+#include "sf_packed_unpack.h" /* W as float32 or bfloat16, for many-row calls */
 #include "sf_packed_bf16.h" /* bfloat16 products on AVX512_BF16 */
