@@ -124,9 +124,10 @@ class CpuSmallGemm:
         _check(x, weight_out_in, 1, "small_linear")
         return self.linear_unchecked(x, weight_out_in)
 
-    @property
+    @functools.cached_property
     def bf16_products(self) -> bool:
-        """Whether `packed_mm(..., bf16=True)` runs here (AVX-512 with AVX512_BF16)."""
+        """Whether `packed_mm(..., bf16=True)` runs here (AVX-512 with AVX512_BF16); asked of
+        the library once, not on each of a decode step's ~120 matmul calls."""
         return bool(self.library.sf_packed_bf16_available())
 
     def packed_mm(self, x: torch.Tensor, weight: PackedWeight, bf16: bool = False) -> torch.Tensor:
