@@ -141,6 +141,7 @@ def gateway_config(endpoints: list[str], affinity_blocks: int, port: int) -> Gat
     return GatewayConfig(
         host="127.0.0.1",
         port=port,
+        internal_port=None,  # nothing here reads /metrics or /internal/*
         tenants=[GatewayTenant(name="bench", api_keys=[ApiKeyRef(sha256=hash_api_key(API_KEY))])],
         deployments=[
             GatewayDeployment(

@@ -32,6 +32,7 @@ from servefleet.api.gateway_config import hash_api_key
 from servefleet.bench.processes import free_port
 
 KEY = "bench-key"
+INTERNAL_KEY = "bench-internal-key"  # the internal port (stats) answers only this key
 
 
 def _pin(core: int | None) -> Any:
@@ -158,12 +159,16 @@ def main() -> int:
     cores = sorted(os.sched_getaffinity(0))
     gateway_core = cores[0] if len(cores) > 1 else None
     other_core = cores[1] if len(cores) > 1 else None
-    up_port, gw_port = free_port(), free_port()
+    up_port, gw_port, internal_port = free_port(), free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        key_path = Path(tmp) / "internal-key"
+        key_path.write_text(INTERNAL_KEY)
         config = {
             "host": "127.0.0.1",
             "port": gw_port,
+            "internal_port": internal_port,
+            "internal_api_key": {"file": str(key_path)},
             "tenants": [
                 {
                     "name": "bench",
@@ -219,7 +224,10 @@ def main() -> int:
             _wait_http(f"http://127.0.0.1:{gw_port}/ready")
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                stats = httpx.get(f"http://127.0.0.1:{gw_port}/internal/deployments").json()
+                stats = httpx.get(
+                    f"http://127.0.0.1:{internal_port}/internal/deployments",
+                    headers={"authorization": f"Bearer {INTERNAL_KEY}"},
+                ).json()
                 if stats[0]["ready_replicas"] == 1:
                     break
                 time.sleep(0.1)

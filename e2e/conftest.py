@@ -97,7 +97,9 @@ def node_cluster(k8s_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="session")
 def rendered_chart(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`helm template` of the chart with ServiceMonitors and Redis on (everything rendered)."""
+    """`helm template` of the chart with ServiceMonitors and Redis on (everything rendered),
+    and RBAC cluster-wide (the documented opt-in): the tests make a namespace each. The
+    namespaced default is proven by e2e/test_attacks_cluster.py."""
     out = tmp_path_factory.mktemp("chart") / "rendered.yaml"
     text = kube.helm(
         "template",
@@ -110,6 +112,8 @@ def rendered_chart(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Path
         "metrics.serviceMonitor.enabled=true",
         "--set",
         "redis.enabled=true",
+        "--set",
+        "rbac.clusterWide=true",
     )
     out.write_text(text)
     return out
@@ -148,10 +152,25 @@ def operator_kubeconfig(
 
 
 @pytest.fixture(scope="session")
+def route_key_file(
+    kube: Kube, installed_chart: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The installed chart's route signing key, as the operator and gateway pods mount it."""
+    return kube.secret_file(
+        SYSTEM_NAMESPACE,
+        f"{RELEASE}-route-signing",
+        "route-signing-key",
+        tmp_path_factory.mktemp("route-signing") / "route-signing-key",
+    )
+
+
+@pytest.fixture(scope="session")
 def operator(
-    operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
+    operator_kubeconfig: Path, route_key_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    proc = OperatorProcess(operator_kubeconfig, tmp_path_factory.mktemp("operator-logs"))
+    proc = OperatorProcess(
+        operator_kubeconfig, tmp_path_factory.mktemp("operator-logs"), route_key_file
+    )
     proc.start()
     try:
         yield proc

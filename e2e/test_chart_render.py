@@ -274,3 +274,201 @@ def test_httproute_attaches_the_tenant_api_to_a_gateway(helm: Path) -> None:
     assert service["spec"]["ports"][0]["port"] == 9000
     error = render_error(helm, {"gateway": {"httpRoute": {"enabled": True}}})
     assert "needs gateway.httpRoute.parentRefs" in error
+
+
+# ----------------------------------------------------------------------------- issue 23
+
+
+def by_kind(objects: Objects, kind: str) -> Objects:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def args_of(objects: Objects, component: str) -> list[str]:
+    args: list[str] = pod_spec(objects, component)["template"]["spec"]["containers"][0]["args"]
+    return args
+
+
+def test_rbac_is_namespaced_by_default_and_cluster_wide_only_on_request(helm: Path) -> None:
+    objects = render(helm)
+    assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+    roles = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in by_kind(objects, "Role")}
+    assert roles == {
+        (NAMESPACE, f"{RELEASE}-operator"),
+        (NAMESPACE, f"{RELEASE}-gateway"),
+        (NAMESPACE, f"{RELEASE}-autoscaler"),
+        (NAMESPACE, f"{RELEASE}-autoscaler-gateways"),
+    }
+    # Every component watches what it is bound in: the release namespace.
+    assert f"--namespace={NAMESPACE}" in args_of(objects, "operator")
+    assert f"--kube-namespace={NAMESPACE}" in args_of(objects, "gateway")
+    assert f"--namespace={NAMESPACE}" in args_of(objects, "autoscaler")
+
+    teams = render(helm, {"operator": {"watchNamespaces": ["team-a", "team-b"]}})
+    bound = {
+        (o["metadata"]["namespace"], o["roleRef"]["name"]) for o in by_kind(teams, "RoleBinding")
+    }
+    for team in ("team-a", "team-b"):
+        for component in ("operator", "gateway", "autoscaler"):
+            assert (team, f"{RELEASE}-{component}") in bound
+    assert "--namespace=team-b" in args_of(teams, "operator")
+
+    wide = render(helm, {"rbac": {"clusterWide": True}})
+    assert {o["metadata"]["name"] for o in by_kind(wide, "ClusterRoleBinding")} == {
+        f"{RELEASE}-{c}" for c in ("operator", "gateway", "autoscaler")
+    }
+    assert not any(a.startswith("--namespace=") for a in args_of(wide, "operator"))  # all
+
+
+def rules(objects: Objects, name: str) -> list[dict[str, Any]]:
+    role = next(o for o in by_kind(objects, "Role") if o["metadata"]["name"] == name)
+    found: list[dict[str, Any]] = role["rules"]
+    return found
+
+
+def test_the_autoscaler_may_not_patch_pods(helm: Path) -> None:
+    objects = render(helm)
+    autoscaler = rules(objects, f"{RELEASE}-autoscaler")
+    assert {v for r in autoscaler if "pods" in r["resources"] for v in r["verbs"]} == {"list"}
+    gateway = rules(objects, f"{RELEASE}-gateway")
+    assert {v for r in gateway if "secrets" in r["resources"] for v in r["verbs"]} == {"get"}
+
+
+def mounted_secrets(objects: Objects, component: str) -> set[str]:
+    pod = pod_spec(objects, component)["template"]["spec"]
+    return {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+
+
+def test_generated_keys_are_secrets_mounted_where_they_are_needed(helm: Path) -> None:
+    objects = render(
+        helm, {"redis": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}}
+    )
+    secrets = {o["metadata"]["name"]: o for o in by_kind(objects, "Secret")}
+    internal, signing, redis = (
+        f"{RELEASE}-internal",
+        f"{RELEASE}-route-signing",
+        f"{RELEASE}-redis",
+    )
+    assert set(secrets) == {internal, signing, redis}
+    assert set(secrets[internal]["data"]) == {"internal-api-key"}
+    assert mounted_secrets(objects, "gateway") == {internal, signing, redis}
+    assert mounted_secrets(objects, "autoscaler") == {internal}
+    assert mounted_secrets(objects, "operator") == {signing}
+    assert "--internal-api-key-file=/etc/servefleet/internal/internal-api-key" in args_of(
+        objects, "autoscaler"
+    )
+    gateway_args = args_of(objects, "gateway")
+    assert (
+        "--route-signing-key-file=/etc/servefleet/route-signing/route-signing-key" in gateway_args
+    )
+    assert "--route-signing-key-file=/etc/servefleet/route-signing/route-signing-key" in args_of(
+        objects, "operator"
+    )
+    # Redis has a password; the gateway reads it from a file, never from its ConfigMap.
+    redis_container = pod_spec(objects, "redis")["template"]["spec"]["containers"][0]
+    assert redis_container["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert redis_container["env"][0]["valueFrom"]["secretKeyRef"]["name"] == redis
+    config_map = find(objects, "ConfigMap", f"{RELEASE}-gateway")
+    config = yaml.safe_load(config_map["data"]["gateway.yaml"])
+    assert config["redis"]["password"] == {"file": "/etc/servefleet/redis/password"}
+    for value in (s["data"][k] for s in secrets.values() for k in s["data"]):
+        assert value not in yaml.safe_dump(config_map)
+    # Prometheus scrapes the gateway's internal port with the key.
+    monitor = find(objects, "ServiceMonitor", f"{RELEASE}-gateway")
+    assert monitor["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": internal, "key": "internal-api-key"},
+    }
+
+
+def test_admin_allow_lists_reach_the_operator_and_the_gateway(helm: Path) -> None:
+    values = {
+        "operator": {
+            "allowedImages": ["registry.example.com/llm/*"],
+            "allowedHostPathPrefixes": ["/var/cache/servefleet"],
+        },
+        "metrics": {"prometheusNamespaces": ["monitoring"]},
+        "gateway": {"spilloverAllowedHosts": ["llm.corp", "10.1.0.0/16"]},
+    }
+    objects = render(helm, values)
+    operator = args_of(objects, "operator")
+    assert [a for a in operator if a.startswith("--allowed-image=")] == [
+        "--allowed-image=ghcr.io/servefleet/servefleet-engine",  # the chart's engine image
+        "--allowed-image=registry.example.com/llm/*",
+    ]
+    assert "--allowed-host-path-prefix=/var/cache/servefleet" in operator
+    assert "--metrics-namespace=monitoring" in operator
+    assert f"--system-namespace={NAMESPACE}" in operator
+    config = yaml.safe_load(
+        find(objects, "ConfigMap", f"{RELEASE}-gateway")["data"]["gateway.yaml"]
+    )
+    assert config["spillover_allowed_hosts"] == ["llm.corp", "10.1.0.0/16"]
+    defaults = args_of(render(helm), "operator")
+    assert not any(a.startswith("--allowed-host-path-prefix") for a in defaults)
+    assert "--allowed-image=docker.io/vllm/vllm-openai" in defaults
+
+
+def policies(objects: Objects) -> dict[str, dict[str, Any]]:
+    return {
+        o["metadata"]["name"].removeprefix(f"{RELEASE}-"): o["spec"]
+        for o in by_kind(objects, "NetworkPolicy")
+    }
+
+
+def test_network_policies_admit_only_the_chart_and_named_namespaces(helm: Path) -> None:
+    objects = render(
+        helm, {"redis": {"enabled": True}, "metrics": {"prometheusNamespaces": ["mon"]}}
+    )
+    found = policies(objects)
+    assert set(found) == {"gateway", "autoscaler", "redis"}
+    selector = {"app.kubernetes.io/instance": RELEASE}
+    gateway = found["gateway"]
+    assert gateway["podSelector"]["matchLabels"] == {
+        **selector,
+        "app.kubernetes.io/component": "gateway",
+    }
+    tenant, internal = gateway["ingress"]
+    assert tenant == {"ports": [{"port": "http", "protocol": "TCP"}]}  # from anywhere
+    assert internal["ports"] == [{"port": "internal", "protocol": "TCP"}]
+    prometheus = {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["mon"]}
+            ]
+        }
+    }
+    assert internal["from"] == [
+        {"podSelector": {"matchLabels": {**selector, "app.kubernetes.io/component": "autoscaler"}}},
+        prometheus,
+    ]
+    (redis,) = found["redis"]["ingress"]
+    assert redis["from"] == [
+        {"podSelector": {"matchLabels": {**selector, "app.kubernetes.io/component": "gateway"}}}
+    ]
+    assert found["autoscaler"]["ingress"] == [
+        {"from": [prometheus], "ports": [{"port": "metrics", "protocol": "TCP"}]}
+    ]
+    # No Prometheus namespace named: the internal port admits the autoscaler only, and the
+    # autoscaler nothing at all.
+    quiet = policies(render(helm))
+    assert len(quiet["gateway"]["ingress"][1]["from"]) == 1
+    assert quiet["autoscaler"]["ingress"] == []
+    assert not by_kind(render(helm, {"networkPolicies": {"enabled": False}}), "NetworkPolicy")
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"rbac": {"clusterwide": True}}, "'clusterwide' not allowed"),
+        (
+            {"operator": {"allowedHostPathPrefixes": ["var/cache"]}},
+            "/operator/allowedHostPathPrefixes",
+        ),
+        ({"operator": {"allowedImages": "vllm/vllm-openai"}}, "/operator/allowedImages"),
+        ({"networkPolicies": {"enable": True}}, "'enable' not allowed"),
+    ],
+)
+def test_a_typo_in_the_security_values_fails(
+    helm: Path, values: dict[str, Any], complaint: str
+) -> None:
+    error = render_error(helm, values)
+    assert "schema" in error and complaint in error, error

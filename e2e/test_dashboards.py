@@ -66,6 +66,7 @@ MODEL = "smollm2-135m-instruct"
 DEPLOYMENT = "smollm2"
 SPILL_MODEL = "hosted-model"
 KEY = "key-acme"
+INTERNAL_KEY = "sk-internal-dashboards"  # the gateway's internal port (metrics, stats)
 READY_TIMEOUT_S = float(os.environ.get("SERVEFLEET_E2E_READY_S", "240"))
 RATE_INTERVAL = "1m"
 VARIABLE = re.compile(r"\$\{?(\w+)(?::\w+)?\}?")
@@ -185,7 +186,7 @@ async def autoscaler_ticks(
     """The real autoscaler loop (observe the gateway and engine, decide, record) for one pool."""
     actuator = RecordingActuator()
     async with httpx.AsyncClient(timeout=5.0) as http:
-        source = HttpGatewaySource(gateway_url, http)
+        source = HttpGatewaySource(gateway_url, http, INTERNAL_KEY)
 
         async def observe() -> Observation:
             stats = (await source.deployments()).get(DEPLOYMENT)
@@ -204,13 +205,24 @@ async def autoscaler_ticks(
     return actuator.decisions
 
 
-def prometheus_config(targets: dict[str, str]) -> dict[str, Any]:
+def prometheus_config(
+    targets: dict[str, str], credentials: dict[str, Path] | None = None
+) -> dict[str, Any]:
+    """Scrape every target each second; a job in `credentials` sends the Bearer key in that
+    file (the gateway's internal port, like the chart's ServiceMonitor)."""
+    jobs: list[dict[str, Any]] = []
+    for job, target in targets.items():
+        config: dict[str, Any] = {
+            "job_name": job,
+            "metrics_path": "/metrics",
+            "static_configs": [{"targets": [target]}],
+        }
+        if credentials and job in credentials:
+            config["authorization"] = {"credentials_file": str(credentials[job])}
+        jobs.append(config)
     return {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": [t]}]}
-            for job, t in targets.items()
-        ],
+        "scrape_configs": jobs,
     }
 
 
@@ -291,6 +303,8 @@ def test_every_dashboard_query_returns_series(prometheus_bin: str, tmp_path: Pat
             config = gateway_config(engine_url, spill_url, f"redis://127.0.0.1:{_free_port()}/0")
             config_file = tmp_path / "gateway.yaml"
             config_file.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
+            key_file = tmp_path / "internal-key"
+            key_file.write_text(INTERNAL_KEY)
             gateway = children.start(
                 "gateway",
                 [
@@ -302,6 +316,8 @@ def test_every_dashboard_query_returns_series(prometheus_bin: str, tmp_path: Pat
                     str(gateway_port),
                     "--internal-port",
                     str(internal_port),
+                    "--internal-api-key-file",
+                    str(key_file),
                 ],
                 env={**os.environ, "E2E_SPILL_KEY": "spill-secret"},
             )
@@ -322,7 +338,8 @@ def test_every_dashboard_query_returns_series(prometheus_bin: str, tmp_path: Pat
                 "autoscaler": f"127.0.0.1:{autoscaler_port}",
             }
             prom_file = tmp_path / "prometheus.yml"
-            prom_file.write_text(yaml.safe_dump(prometheus_config(targets)))
+            scrape = prometheus_config(targets, {"gateway": key_file})
+            prom_file.write_text(yaml.safe_dump(scrape))
             prom = children.start(
                 "prometheus",
                 [

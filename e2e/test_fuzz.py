@@ -112,7 +112,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         config_file.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
         port, internal = free_port(), free_port()
         argv = [*servefleet_command(), "gateway", "--config", str(config_file), "--port", str(port)]
-        argv += ["--internal-port", str(internal)]
+        internal_key = logs / "internal-key"
+        internal_key.write_text("sk-internal-fuzz")
+        argv += ["--internal-port", str(internal), "--internal-api-key-file", str(internal_key)]
         started.append(_start("gateway", argv, f"http://127.0.0.1:{port}", logs))
         yield {s.name: s for s in started}
     finally:

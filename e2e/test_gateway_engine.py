@@ -44,6 +44,8 @@ from servefleet.api.llmdeployment import AdmissionSpec, PoolSpec, TenantLimits
 
 MODEL = "smollm2-135m-instruct"
 DEPLOYMENT = "smollm2"
+INTERNAL_KEY = "sk-internal-gateway-e2e"
+INTERNAL = {"authorization": f"Bearer {INTERNAL_KEY}"}  # the gateways' internal port needs it
 READY_TIMEOUT_S = float(os.environ.get("SERVEFLEET_E2E_READY_S", "240"))
 # A token-id prompt has an exact size without a tokenizer: 10 ids + 4 completion tokens.
 ID_PROMPT = list(range(1000, 1010))
@@ -95,7 +97,7 @@ class Fleet:
 
     def stats(self, gateway: int = 0) -> dict[str, Any]:
         internal = self.gateways[gateway].internal_url
-        body = httpx.get(internal + "/internal/deployments", timeout=10).json()
+        body = httpx.get(internal + "/internal/deployments", headers=INTERNAL, timeout=10).json()
         return next(d for d in body if d["name"] == DEPLOYMENT)
 
     def replica(self, endpoint: str, gateway: int = 0) -> dict[str, Any]:
@@ -111,7 +113,7 @@ def engine_served(url: str) -> int:
 
 
 def gateway_counter(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers=INTERNAL, timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -207,11 +209,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         config_file = logs / "gateway.yaml"
         config = _gateway_config([e.url for e in engines], f"redis://127.0.0.1:{redis_port}/0")
         config_file.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
+        key_file = logs / "internal-key"
+        key_file.write_text(INTERNAL_KEY)
         gateways = []
         for i in range(2):
             port, internal = _free_port(), _free_port()
             argv = [*_servefleet(), "gateway", "--config", str(config_file), "--port", str(port)]
-            argv += ["--internal-port", str(internal)]
+            argv += ["--internal-port", str(internal), "--internal-api-key-file", str(key_file)]
             gateways.append(_start(f"gateway-{i}", argv, f"http://127.0.0.1:{port}", logs))
             gateways[-1].internal_url = f"http://127.0.0.1:{internal}"
         children += gateways
@@ -219,7 +223,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for gateway in gateways:
             _wait_ready(gateway, deadline)
             while time.monotonic() < deadline:  # its first probe round marks the replicas
-                stats = httpx.get(gateway.internal_url + "/internal/deployments", timeout=5).json()
+                url = gateway.internal_url + "/internal/deployments"
+                stats = httpx.get(url, headers=INTERNAL, timeout=5).json()
                 if stats[0]["ready_replicas"] == 2:
                     break
                 time.sleep(0.2)
@@ -338,6 +343,7 @@ def _set_replicas(fleet: Fleet, endpoints: list[str], gateway: int = 0) -> None:
     update = httpx.post(
         fleet.gateways[gateway].internal_url + f"/internal/deployments/{DEPLOYMENT}/replicas",
         json={"endpoints": endpoints, "ready": endpoints},
+        headers=INTERNAL,
         timeout=10,
     )
     assert update.status_code == 200
@@ -447,6 +453,7 @@ def test_killed_replica_is_ejected_and_the_request_retried_elsewhere(fleet: Flee
     update = httpx.post(
         fleet.gateways[0].internal_url + f"/internal/deployments/{DEPLOYMENT}/replicas",
         json={"endpoints": [survivor.url, victim.url], "ready": [survivor.url, victim.url]},
+        headers=INTERNAL,
         timeout=10,
     )
     assert update.status_code == 200

@@ -7,7 +7,8 @@ reads the route and the tenant key Secret through the API server, and routes to 
 OpenAI stand-in that an EndpointSlice written here points at (there is no kubelet, so no
 engine pod ever runs). Then the CR and the Secret change under the running gateway.
 
-The first tests are pure (route parsing and merging rules) and need no cluster.
+The first tests are pure (route parsing and merging rules; more in
+tests/test_gateway_routes.py) and need no cluster.
 
     uv run pytest e2e/test_gateway_k8s.py
 """
@@ -34,8 +35,14 @@ from conftest import RELEASE, SYSTEM_NAMESPACE
 from k8s.kubectl import Kube, OperatorProcess, wait_for
 from procs import free_port as _free_port
 
-from servefleet.api.conventions import LABEL_SERVICE_NAME, ROUTE_GATEWAY_KEY, SECRETS_MOUNT
+from servefleet.api.conventions import (
+    ANNOTATION_ROUTE_SIGNATURE,
+    LABEL_SERVICE_NAME,
+    ROUTE_GATEWAY_KEY,
+    SECRETS_MOUNT,
+)
 from servefleet.api.gateway_config import GatewayConfig, RedisConfig, hash_api_key
+from servefleet.api.route_signature import route_signature
 from servefleet.bench.fake_upstream import FakeOpenAI
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.route_merge import (
@@ -60,14 +67,36 @@ MOUNT = SECRETS_MOUNT
 # ----------------------------------------------------------------------------- pure rules
 
 
+ROUTE_KEY = b"route-signing-key-for-the-pure-tests"
+
+
 def route_configmap(namespace: str, name: str, config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "metadata": {"namespace": namespace, "name": name},
-        "data": {ROUTE_GATEWAY_KEY: yaml.safe_dump(config)},
+    """As the operator writes it: owned by an LLMDeployment, signed."""
+    data = {ROUTE_GATEWAY_KEY: yaml.safe_dump(config)}
+    owner = {
+        "apiVersion": "servefleet.io/v1alpha1",
+        "kind": "LLMDeployment",
+        "name": name,
+        "uid": "uid-1",
+        "controller": True,
     }
+    signature = route_signature(ROUTE_KEY, namespace, name, "uid-1", data)
+    meta = {
+        "namespace": namespace,
+        "name": name,
+        "ownerReferences": [owner],
+        "annotations": {ANNOTATION_ROUTE_SIGNATURE: signature},
+    }
+    return {"metadata": meta, "data": data}
 
 
-def fragment(tenant: str, model: str, key_file: str, rpm: int = 10) -> dict[str, Any]:
+def parsed(namespace: str, name: str, config: dict[str, Any]) -> Any:
+    return parse_route(route_configmap(namespace, name, config), ROUTE_KEY)
+
+
+def fragment(
+    tenant: str, model: str, key_file: str, rpm: int = 10, namespace: str = "a"
+) -> dict[str, Any]:
     return {
         "tenants": [
             {
@@ -77,53 +106,56 @@ def fragment(tenant: str, model: str, key_file: str, rpm: int = 10) -> dict[str,
             }
         ],
         "deployments": [
-            {"name": f"{model}-{tenant}", "model": model, "tenants": [{"name": tenant}]}
+            {
+                "name": f"{model}-{tenant}",
+                "model": model,
+                "service": {"namespace": namespace, "name": f"{model}-engine"},
+                "tenants": [{"name": tenant}],
+            }
         ],
     }
 
 
 def test_routes_may_only_reference_secrets_of_their_own_namespace() -> None:
-    own = parse_route(route_configmap("a", "r", fragment("t", "m", f"{MOUNT}/a/keys/t")))
+    own = parsed("a", "r", fragment("t", "m", f"{MOUNT}/a/keys/t"))
     assert referenced_secrets(own)[0] == {SecretKeyPath("a", "keys", "t")}
     for bad in (f"{MOUNT}/b/keys/t", "/etc/passwd", f"{MOUNT}/a/../b/keys", f"{MOUNT}/a/keys"):
-        route = parse_route(route_configmap("a", "r", fragment("t", "m", bad)))
+        route = parsed("a", "r", fragment("t", "m", bad))
         with pytest.raises(RouteError):
             referenced_secrets(route)
     env = fragment("t", "m", "x")
     env["tenants"][0]["api_keys"] = [{"source": {"env": "SERVEFLEET_INTERNAL_KEY"}}]
     with pytest.raises(RouteError, match="Secret references"):
-        referenced_secrets(parse_route(route_configmap("a", "r", env)))
+        referenced_secrets(parsed("a", "r", env))
 
 
-def test_a_tenant_belongs_to_the_first_namespace_and_conflicts_reject_whole_routes() -> None:
-    a = parse_route(route_configmap("a", "r1", fragment("t", "m1", f"{MOUNT}/a/keys/t")))
-    b = parse_route(route_configmap("b", "r1", fragment("t", "m2", f"{MOUNT}/b/keys/t")))
-    a2 = parse_route(route_configmap("a", "r2", fragment("t", "m3", f"{MOUNT}/a/keys/u")))
-    same_model = parse_route(route_configmap("c", "r", fragment("v", "m1", f"{MOUNT}/c/k/v")))
-    other_limits = parse_route(
-        route_configmap("a", "r3", fragment("t", "m4", f"{MOUNT}/a/keys/t", rpm=99))
-    )
+def test_tenants_are_scoped_to_their_namespace_and_conflicts_reject_whole_routes() -> None:
+    a = parsed("a", "r1", fragment("t", "m1", f"{MOUNT}/a/keys/t"))
+    b = parsed("b", "r1", fragment("t", "m1", f"{MOUNT}/b/keys/t", namespace="b"))
+    a2 = parsed("a", "r2", fragment("t", "m3", f"{MOUNT}/a/keys/u"))
+    other_limits = parsed("a", "r3", fragment("t", "m4", f"{MOUNT}/a/keys/t", rpm=99))
     secrets = ResolvedSecrets(
         digests={
             SecretKeyPath("a", "keys", "t"): hash_api_key("key-a"),
             SecretKeyPath("a", "keys", "u"): hash_api_key("key-a2"),
             SecretKeyPath("b", "keys", "t"): hash_api_key("key-b"),
-            SecretKeyPath("c", "k", "v"): hash_api_key("key-c"),
         }
     )
-    resolved = [(r, resolve_route(r, secrets)[0]) for r in (b, same_model, a2, other_limits, a)]
+    resolved = [(r, resolve_route(r, secrets)[0]) for r in (b, a2, other_limits, a)]
     result = merge_routes(GatewayConfig(), resolved)
-    assert result.served == ["a/r1", "a/r2"]
-    assert "belongs to namespace a" in result.rejected["b/r1"]
-    assert "model m1 is already served" in result.rejected["c/r"]
+    # b's tenant "t" and model "m1" are b's own: they take nothing from namespace a.
+    assert result.served == ["a/r1", "a/r2", "b/r1"]
     assert "limits differ" in result.rejected["a/r3"]
-    (tenant,) = result.config.tenants
+    tenants = {t.name: {k.sha256 for k in t.api_keys} for t in result.config.tenants}
     # Two routes of namespace a: one tenant with both keys; b's key was not added to it.
-    assert {k.sha256 for k in tenant.api_keys} == {hash_api_key("key-a"), hash_api_key("key-a2")}
+    assert tenants == {
+        "a/t": {hash_api_key("key-a"), hash_api_key("key-a2")},
+        "b/t": {hash_api_key("key-b")},
+    }
 
 
 def test_a_tenant_whose_secret_is_missing_is_left_out_not_fatal() -> None:
-    route = parse_route(route_configmap("a", "r", fragment("t", "m", f"{MOUNT}/a/keys/t")))
+    route = parsed("a", "r", fragment("t", "m", f"{MOUNT}/a/keys/t"))
     config, warnings = resolve_route(route, ResolvedSecrets())
     assert config.tenants == [] and config.deployments[0].tenants == []
     assert warnings and "a/keys[t] not found" in warnings[0]
@@ -260,12 +292,15 @@ def endpoint_slice(service: str, address: str, port: int) -> str:
 
 
 class GatewayProcess:
-    def __init__(self, kubeconfig: Path, work: Path) -> None:
+    def __init__(self, kubeconfig: Path, work: Path, route_key_file: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work / "gateway.log"
         base = work / "gateway.yaml"
-        base.write_text(yaml.safe_dump({"host": "127.0.0.1", "port": self.port}))
+        # No internal port: this test reads nothing there (serving it would need a key).
+        base.write_text(
+            yaml.safe_dump({"host": "127.0.0.1", "port": self.port, "internal_port": None})
+        )
         code = "import sys; from servefleet.cli.main import main; sys.exit(main())"
         argv = [
             sys.executable,
@@ -276,6 +311,7 @@ class GatewayProcess:
             "--kube-routes",
             f"--kubeconfig={kubeconfig}",
             "--secret-refresh-seconds=1",
+            f"--route-signing-key-file={route_key_file}",
             "--log-level=info",
         ]
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
@@ -309,11 +345,13 @@ class GatewayProcess:
 
 
 @pytest.fixture
-def gateway(kube: Kube, installed_chart: Path, tmp_path: Path) -> Iterator[GatewayProcess]:
+def gateway(
+    kube: Kube, installed_chart: Path, route_key_file: Path, tmp_path: Path
+) -> Iterator[GatewayProcess]:
     kubeconfig = kube.service_account_kubeconfig(
         SYSTEM_NAMESPACE, f"{RELEASE}-gateway", tmp_path / "gateway.kubeconfig"
     )
-    process = GatewayProcess(kubeconfig, tmp_path)
+    process = GatewayProcess(kubeconfig, tmp_path, route_key_file)
     try:
         yield process
     finally:

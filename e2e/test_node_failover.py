@@ -17,6 +17,7 @@ e2e/test_node_failover.py -q -s` or `make e2e-node`.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -194,6 +195,7 @@ def cluster(node_cluster: NodeCluster) -> Iterator[NodeCluster]:
         "--set", f"image.pullPolicy={node_cluster.pull_policy}",
         "--set", f"engineImage.repository={engine_repo}", "--set", f"engineImage.tag={engine_tag}",
         "--set", "operator.resyncSeconds=5",
+        "--set", f"operator.watchNamespaces={{{NAMESPACE}}}",
     )  # fmt: skip
     kube.apply_text(example_with_two_engines(), NAMESPACE)
     try:
@@ -214,6 +216,15 @@ def engine_pods(kube: Kube) -> list[dict[str, Any]]:
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
+def internal_headers(kube: Kube) -> dict[str, str]:
+    """The chart's generated internal API key: the gateways' /metrics answer only it."""
+    encoded = kube.kubectl(
+        "get", "secret", f"{RELEASE}-internal", "-n", SYSTEM_NAMESPACE,
+        "-o", "jsonpath={.data.internal-api-key}",
+    )  # fmt: skip
+    return {"authorization": f"Bearer {base64.b64decode(encoded).decode()}"}
+
+
 def gateway_urls(kube: Kube) -> tuple[str, list[str]]:
     """(the tenant URL of the gateway Service, the internal URL of every gateway pod)."""
     service = kube.get("service", f"{RELEASE}-gateway", SYSTEM_NAMESPACE)
@@ -226,8 +237,9 @@ def gateway_urls(kube: Kube) -> tuple[str, list[str]]:
     return tenant, [f"http://{p['status']['podIP']}:{internal}" for p in pods]
 
 
-def gateway_sum(urls: list[str], name: str) -> float:
-    return sum(metric_sum(scrape(url), name, model=MODEL) for url in urls)
+def gateway_sum(kube: Kube, urls: list[str], name: str) -> float:
+    headers = internal_headers(kube)
+    return sum(metric_sum(scrape(url, headers), name, model=MODEL) for url in urls)
 
 
 def pool_whole(kube: Kube, gateways: list[str]) -> bool:
@@ -235,8 +247,11 @@ def pool_whole(kube: Kube, gateways: list[str]) -> bool:
     pods = engine_pods(kube)
     if len(pods) != 2 or not all(is_ready(p) for p in pods):
         return False
+    headers = internal_headers(kube)
     try:
-        return all(metric_sum(scrape(url), REPLICAS_READY, model=MODEL) == 2 for url in gateways)
+        return all(
+            metric_sum(scrape(url, headers), REPLICAS_READY, model=MODEL) == 2 for url in gateways
+        )
     except httpx.HTTPError:
         return False
 
@@ -244,7 +259,7 @@ def pool_whole(kube: Kube, gateways: list[str]) -> bool:
 def running_on(pod: dict[str, Any]) -> float:
     """Sequences the engine pod is generating now, from its own /metrics."""
     try:
-        samples = scrape(f"http://{pod['status']['podIP']}:{ENGINE_PORT}")
+        samples = scrape(f"http://{pod['status']['podIP']}:{ENGINE_PORT}", headers={})
     except httpx.HTTPError:
         return 0.0
     return metric_sum(samples, ENGINE_RUNNING)
@@ -361,11 +376,11 @@ def test_sigkilled_engine_mid_stream_loses_no_stream(cluster: NodeCluster) -> No
     for ref in references:
         assert not ref.problems(), (ref.body["messages"], ref.problems())
 
-    continued_before = gateway_sum(gateways, CONTINUATIONS)
+    continued_before = gateway_sum(kube, gateways, CONTINUATIONS)
     streams, threads = run_streams(url, bodies)
     kill = kill_busiest_engine(kube, streams)
     to_whole = join_watching_pool(kube, gateways, threads, kill)
-    continued = gateway_sum(gateways, CONTINUATIONS) - continued_before
+    continued = gateway_sum(kube, gateways, CONTINUATIONS) - continued_before
 
     assert all(s.status == 200 for s in streams), [s.status for s in streams]
     for stream, ref in zip(streams, references, strict=True):

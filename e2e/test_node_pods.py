@@ -55,10 +55,10 @@ def cluster(node_cluster: NodeCluster) -> NodeCluster:
         "--set", f"image.pullPolicy={node_cluster.pull_policy}",
         "--set", f"engineImage.repository={engine_repo}", "--set", f"engineImage.tag={engine_tag}",
         "--set", "operator.resyncSeconds=5",
+        "--set", f"operator.watchNamespaces={{{NAMESPACE}}}",
     )  # fmt: skip
-    # No namespace is set anywhere: the autoscaler watches every namespace, as the operator
-    # and the gateway do, so the example applied to NAMESPACE is autoscaled (the README's
-    # quick start applies to the current namespace).
+    # The README's quick start: the team namespace the example is applied to is watched
+    # (by the operator, the gateway and the autoscaler alike; RBAC is bound there).
     return node_cluster
 
 

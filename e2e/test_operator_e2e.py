@@ -23,8 +23,12 @@ from servefleet.api.conventions import (
 )
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_stats import DeploymentStats
+from servefleet.autoscaler.actuate import KubernetesActuator
 from servefleet.autoscaler.cluster import ClusterAutoscaler
+from servefleet.autoscaler.explain import Reason
 from servefleet.autoscaler.gateway_fleet import GatewayFleetSource
+from servefleet.autoscaler.policy import Decision, PolicyState
+from servefleet.autoscaler.signals import Observation, ReplicaLoad, ReplicaState
 from servefleet.autoscaler.telemetry import AutoscalerMetrics
 from servefleet.kube import KubeAccess
 
@@ -598,7 +602,8 @@ def test_autoscaler_scales_reports_the_queue_and_explains_with_its_rbac(
             # Listing the gateway Service's EndpointSlices is allowed (none are ready here).
             fleet = GatewayFleetSource(client, SYSTEM_NAMESPACE, f"{RELEASE}-gateway", http)
             endpoints = await fleet.endpoints()
-            gateways = QueuedGateway("auto", queued=12)
+            # The gateway names a route's deployment <namespace>/<name>.
+            gateways = QueuedGateway(f"{namespace}/auto", queued=12)
             scaler = ClusterAutoscaler(client, [namespace], gateways, AutoscalerMetrics(), http)
             await scaler.tick()
         return endpoints
@@ -612,6 +617,60 @@ def test_autoscaler_scales_reports_the_queue_and_explains_with_its_rbac(
     )
     messages = [e["message"] for e in json.loads(events)["items"]]
     assert any(" -> 3: " in m for m in messages), messages
+
+
+def test_scale_down_removes_the_replica_the_autoscaler_ranked_lowest(
+    kube: Kube, operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    """The autoscaler may not write pods: it ranks them in status.podDeletionCosts (as its
+    ServiceAccount), the operator copies the ranks to the pods' deletion cost before it
+    scales the engine Deployment, and the ReplicaSet removes the victim."""
+    kube.apply_text(
+        llmd("ranked", replicas=3, pool={"minReplicas": 1, "maxReplicas": 3}), namespace
+    )
+    wait_for(
+        "3 pods", lambda: len(kube.list("pods", namespace, selector("ranked"))) == 3, timeout=60
+    )
+    kube.mark_pods_ready(namespace, selector("ranked"))
+    pods = sorted(p["metadata"]["name"] for p in kube.list("pods", namespace, selector("ranked")))
+    victim = pods[1]
+    kubeconfig = kube.service_account_kubeconfig(
+        SYSTEM_NAMESPACE, f"{RELEASE}-autoscaler", tmp_path / "autoscaler.kubeconfig"
+    )
+    replicas = tuple(
+        ReplicaLoad(name=name, state=ReplicaState.READY, running=0 if name == victim else 3)
+        for name in pods
+    )
+    decision = Decision(
+        desired=2,
+        current=3,
+        reason=Reason.SCALE_DOWN,
+        victim=victim,
+        demand=3,
+        state=PolicyState(),
+        message="down 3→2",
+    )
+
+    async def scale_down() -> None:
+        async with await KubeAccess(kubeconfig=str(kubeconfig)).connect() as client:
+            actuator = KubernetesActuator(client, namespace)
+            await actuator.apply("ranked", decision, Observation(replicas=replicas))
+
+    asyncio.run(scale_down())
+    wait_for(
+        "the victim to go",
+        lambda: (
+            [
+                p["metadata"]["name"]
+                for p in kube.list("pods", namespace, selector("ranked"))
+                if p["metadata"].get("deletionTimestamp") is None
+            ]
+            == [name for name in pods if name != victim]
+        ),
+        timeout=60,
+    )
+    costs = status(kube, namespace, "ranked")["podDeletionCosts"]
+    assert {c["pod"]: c["cost"] for c in costs}[victim] == -1
 
 
 def test_operator_was_never_forbidden(operator: OperatorProcess) -> None:

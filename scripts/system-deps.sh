@@ -3,6 +3,7 @@
 #   redis-server, prometheus          shared gateway limits, dashboards
 #   containerd runc containernetworking-plugins iptables conntrack
 #                                     the e2e node (container runtime, pod network, kube-proxy)
+#   ipset                             the e2e node's NetworkPolicy firewall (kube-router)
 #   buildah debootstrap catatonit     the e2e images (base rootfs, builds, pause process)
 #   gcc libc6-dev                     the static pause binary of the e2e node
 set -euo pipefail
@@ -14,6 +15,7 @@ declare -A probe=(
   [containernetworking-plugins]=/usr/lib/cni/bridge
   [iptables]=iptables
   [conntrack]=conntrack
+  [ipset]=ipset
   [buildah]=buildah
   [debootstrap]=debootstrap
   [catatonit]=catatonit

@@ -178,6 +178,45 @@ NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
             {"scheduling": {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "z"}]}},
             "whenUnsatisfiable",
         ),
+        # Paths that would climb out of their volume, image or node folder.
+        *[
+            (
+                {"model": {"name": "m", "source": {"pvc": {"claimName": "c", "path": path}}}},
+                "model.source.pvc.path must be a path inside its volume",
+            )
+            for path in ("../../../etc", "llama/../../x", "/etc", "..")
+        ],
+        (
+            {"model": {"name": "m", "source": {"oci": {"reference": "r/m:1", "path": "a/../.."}}}},
+            "model.source.oci.path must be a path inside its volume",
+        ),
+        (
+            {
+                "model": {
+                    "name": "m",
+                    "source": {"url": "https://x/m.gguf"},
+                    "cache": {"hostPath": {"path": "/var/cache/servefleet/../../../etc"}},
+                }
+            },
+            "model.cache.hostPath.path must be an absolute folder without '..' segments",
+        ),
+        (
+            {"model": {"name": "m", "source": {"s3": {"url": "s3://bucket/a/../../b/"}}}},
+            "model.source.s3.url must not contain '..' segments",
+        ),
+        (
+            {"model": {"name": "m", "source": {"url": "https://x/models/.."}}},
+            "model.source.url must not contain '..' segments",
+        ),
+        (
+            {
+                "model": {
+                    "name": "m",
+                    "source": {"huggingface": {"repo": "a/b", "revision": "x/../y"}},
+                }
+            },
+            "model.source.huggingface.revision must not contain '..' segments",
+        ),
     ],
 )
 def test_invalid_specs_are_rejected_with_a_clear_message(
@@ -315,3 +354,9 @@ def test_scheduling_defaults_to_nothing_and_reads_pod_spelling() -> None:
         **spread,
         "matchLabelKeys": [],
     }
+
+
+def test_paths_with_dots_that_do_not_climb_are_fine() -> None:
+    source = {"pvc": {"claimName": "c", "path": "models/..hidden/v1..2/./x"}}
+    dep = LLMDeployment.model_validate(with_spec(model={"name": "m", "source": source}))
+    assert dep.spec.model.source.pvc is not None

@@ -26,9 +26,10 @@ GATEWAY_SLICE = {
 
 def gateway_answer(queue: int, outstanding: int, ttft: float) -> list[dict[str, Any]]:
     replica = {"endpoint": "http://e0:8000", "state": "ready", "outstanding": outstanding}
+    # Routes are scoped to their namespace: the gateway names deployment llm of ns "ns/llm".
     return [
         {
-            "name": "llm",
+            "name": "ns/llm",
             "model": "m",
             "queue_depth": queue,
             "in_flight": outstanding,
@@ -86,7 +87,7 @@ async def test_both_gateways_queues_count() -> None:
     async with fake_kube(answer) as (_, kube), two_gateways() as http:
         source = GatewayFleetSource(kube, "sys", "gw", http)
         assert await source.endpoints() == ["http://10.0.0.1:8090", "http://10.0.0.2:8090"]
-        stats = (await source.deployments())["llm"]
+        stats = (await source.deployments())["ns/llm"]
     assert (stats.queue_depth, stats.in_flight, stats.ttft_p90_seconds) == (7, 7, 1.5)
     assert [(r.endpoint, r.outstanding) for r in stats.replicas] == [("http://e0:8000", 7)]
 
@@ -127,8 +128,9 @@ async def test_the_summed_queue_is_written_to_status_only_when_it_changes() -> N
 
 
 async def test_with_no_namespace_named_every_namespace_is_watched() -> None:
-    """The operator reconciles every namespace by default: the autoscaler must see them too."""
-    team = llm_deployment(0)
+    """With no namespace named, every namespace is watched; and a deployment is matched to
+    the gateway's stats by namespace too: team-a's "llm" is not credited with ns's queue."""
+    team = llm_deployment(5)
     team["metadata"]["namespace"] = "team-a"
 
     def answer(call: Call) -> tuple[int, Any]:
@@ -146,4 +148,9 @@ async def test_with_no_namespace_named_every_namespace_is_watched() -> None:
     paths = [c.path for c in api.calls]
     assert "/apis/servefleet.io/v1alpha1/llmdeployments" in paths  # cluster-wide list
     assert "/api/v1/namespaces/team-a/pods" in paths
-    assert "/apis/servefleet.io/v1alpha1/namespaces/team-a/llmdeployments/llm/status" in paths
+    (status,) = [
+        c.body
+        for c in api.calls
+        if c.path == "/apis/servefleet.io/v1alpha1/namespaces/team-a/llmdeployments/llm/status"
+    ]
+    assert status == {"status": {"queueDepth": 0}}  # ns/llm's 7 queued are not team-a's

@@ -7,7 +7,6 @@ from typing import Any
 import httpx
 import pytest
 
-from servefleet.api.conventions import POD_DELETION_COST
 from servefleet.api.gateway_stats import parse_deployment_stats
 from servefleet.autoscaler.actuate import KubernetesActuator
 from servefleet.autoscaler.cluster import replica_from_pod
@@ -151,12 +150,15 @@ async def test_kubernetes_actuator_annotates_scales_and_explains() -> None:
         await KubernetesActuator(kube, "ns").apply("llm", decision, obs)
 
     calls = [(c.method, c.path, c.body or {}) for c in api.calls]
-    annotations = {
-        path.rsplit("/", 1)[1]: body["metadata"]["annotations"][POD_DELETION_COST]
+    # The ranking goes to status.podDeletionCosts (the operator annotates the pods from it):
+    # the autoscaler never writes a pod.
+    assert not any("/pods" in path for method, path, _ in calls if method != "GET")
+    (ranking,) = [
+        body["status"]["podDeletionCosts"]
         for method, path, body in calls
-        if method == "PATCH" and "/pods/" in path
-    }
-    assert annotations == {"p1": "-1", "p2": "1", "p0": "2"}
+        if method == "PATCH" and path.endswith("/llm/status")
+    ]
+    assert {r["pod"]: r["cost"] for r in ranking} == {"p1": -1, "p2": 1, "p0": 2}
     scale = [b for m, p, b in calls if m == "PATCH" and p.endswith("/llm/scale")]
     assert scale == [{"spec": {"replicas": 2}}]
     assert {c.query["fieldManager"] for c in api.calls if c.method == "PATCH"} == {
@@ -170,8 +172,9 @@ async def test_kubernetes_actuator_annotates_scales_and_explains() -> None:
         "(reason scale_down, demand 7, victim p1)"
     )
     order = [p for _, p, _ in calls]
-    assert max(i for i, p in enumerate(order) if "/pods/" in p) < order.index(
-        "/apis/servefleet.io/v1alpha1/namespaces/ns/llmdeployments/llm/scale", 1
+    # Ranked before the scale is lowered: the operator reconciles the scale with it.
+    assert order.index("/apis/servefleet.io/v1alpha1/namespaces/ns/llmdeployments/llm/status") < (
+        order.index("/apis/servefleet.io/v1alpha1/namespaces/ns/llmdeployments/llm/scale", 1)
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import tomllib
@@ -10,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from servefleet.api.engines import ENGINE_ADAPTERS
+from servefleet.operator.policy import default_allowed_images, image_allowed
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "servefleet"
@@ -59,23 +61,55 @@ def test_dashboards_are_valid_grafana_json() -> None:
             assert panel["targets"][0]["expr"]
 
 
+def component_rules(component: str) -> list[dict[str, Any]]:
+    """One component's RBAC rules as _rbac.tpl defines them (plain YAML, comments aside)."""
+    text = (CHART / "templates" / "_rbac.tpl").read_text()
+    body = text.split(f'define "servefleet.rules.{component}" -}}}}', 1)[1].split("{{- end", 1)[0]
+    rules: list[dict[str, Any]] = yaml.safe_load(body)
+    return rules
+
+
+def verbs_on(rules: list[dict[str, Any]], resource: str) -> set[str]:
+    return {v for r in rules if resource in r["resources"] for v in r["verbs"]}
+
+
 def test_operator_rbac_never_deletes_and_never_reads_secrets() -> None:
-    text = (CHART / "templates" / "rbac.yaml").read_text()
-    operator_role = text.split("name: {{ $fullname }}-operator", 1)[1].split(
-        "kind: ClusterRole", 1
-    )[0]
-    rules = [
-        line
-        for line in operator_role.splitlines()
-        if line.strip().startswith(("verbs:", "resources:"))
-    ]
+    rules = component_rules("operator")
     assert rules
-    assert not any("delete" in line for line in rules)
+    assert not any("delete" in r["verbs"] or "deletecollection" in r["verbs"] for r in rules)
     # Secrets: only `create` (the engine key, written once); never get/list/watch/patch.
-    for resources, verbs in itertools.pairwise(rules):
-        if "secrets" in resources:
-            assert verbs.strip() == "verbs: [create]", verbs
+    assert verbs_on(rules, "secrets") == {"create"}
+    text = (CHART / "templates" / "rbac.yaml").read_text()
     assert "'*'" not in text and '"*"' not in text
+
+
+def test_the_autoscaler_never_writes_pods_and_the_gateway_never_lists_secrets() -> None:
+    """Images are mutable: `patch pods` would let the autoscaler run anything anywhere it is
+    bound. It ranks pods in status.podDeletionCosts; the operator annotates them."""
+    assert verbs_on(component_rules("autoscaler"), "pods") == {"list"}
+    assert verbs_on(component_rules("gateway"), "secrets") == {"get"}
+    assert verbs_on(component_rules("operator"), "pods") == {"list", "patch"}
+
+
+def test_rbac_is_namespaced_unless_the_admin_opts_in() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["rbac"]["clusterWide"] is False
+    assert values["operator"]["watchNamespaces"] == []  # = the release namespace
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert "toYaml (list .Release.Namespace)" in helpers
+    rbac = (CHART / "templates" / "rbac.yaml").read_text()
+    # The only cluster-scoped bindings are behind rbac.clusterWide.
+    before_opt_in = rbac.split("{{- if $root.Values.rbac.clusterWide }}", 1)[0]
+    assert "ClusterRole" not in before_opt_in.split("*/ -}}", 1)[1]
+
+
+def test_default_allow_lists_are_the_examples_images_and_no_host_folder() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert sorted(values["operator"]["allowedImages"]) == sorted(default_allowed_images())
+    assert values["operator"]["allowedHostPathPrefixes"] == []
+    for adapter in ENGINE_ADAPTERS.values():
+        if adapter.default_image:
+            assert image_allowed(adapter.default_image, values["operator"]["allowedImages"])
 
 
 def schema_node(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """`servefleet engine` start-up as a user meets it: a busy port fails before any heavy import,
 the port answers 503 "loading" while the model loads, SIGTERM then stops it with 0, a bad
-model is one line; `--api-key` (or $SERVEFLEET_API_KEY) guards every /v1 route."""
+model is one line; `--api-key` (or $SERVEFLEET_API_KEY) guards every path but the probes."""
 
 from __future__ import annotations
 

@@ -97,6 +97,10 @@ def test_missing_kubeconfig_is_one_line(
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("SERVEFLEET_INTERNAL_API_KEY", "internal-key")  # asked for before
+    route_key = tmp_path / "route-signing-key"  # so is the operator's route signing key
+    route_key.write_text("a-route-signing-key-of-enough-bytes")
+    monkeypatch.setenv("SERVEFLEET_ROUTE_SIGNING_KEY_FILE", str(route_key))
     argv = [a.replace("{config}", str(config)) for a in argv]
     assert main(argv) == 2
     line = _one_error_line(capsys.readouterr().err)
@@ -116,7 +120,7 @@ def test_gateway_on_a_busy_port_is_one_line(
     import socket
 
     config = tmp_path / "gateway.yaml"
-    config.write_text("deployments: []\n")
+    config.write_text("deployments: []\ninternal_port: null\n")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

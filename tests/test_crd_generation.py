@@ -124,3 +124,22 @@ def test_subresources_columns_and_names() -> None:
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
     assert columns[:5] == ["Model", "Engine", "Ready", "Desired", "Queue"]
     assert columns[-1] == "Age"
+
+
+def test_every_path_field_is_checked_by_the_api_server_with_a_bounded_rule() -> None:
+    """`kubectl apply` itself refuses a path that climbs out of its volume, image or node
+    folder; the CEL rule's string must be bounded or the API server refuses the CRD (cost)."""
+    checked = {
+        path: node
+        for path, node in walk(schema())
+        if any("'..'" in r["message"] for r in node.get("x-kubernetes-validations", []))
+    }
+    assert set(checked) == {
+        ".spec.model.source.pvc.path",
+        ".spec.model.source.oci.path",
+        ".spec.model.source.s3.url",
+        ".spec.model.source.url",
+        ".spec.model.source.huggingface.revision",
+        ".spec.model.cache.hostPath.path",
+    }
+    assert all(node.get("maxLength") for node in checked.values())

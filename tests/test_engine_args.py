@@ -24,7 +24,11 @@ from servefleet.engine.config import EngineConfig
 from servefleet.local.engine_command import engine_command
 from servefleet.operator import render
 
-SETTINGS = render.RenderSettings(engine_image="servefleet:test", gateway_url="http://gw:8080")
+SETTINGS = render.RenderSettings(
+    engine_image="servefleet:test",
+    gateway_url="http://gw:8080",
+    route_signing_key=b"route-signing-key-for-tests",
+)
 PER_ENVIRONMENT = ("--host", "--port", "--model")
 LOCAL_HOST, LOCAL_PORT = "127.0.0.1", 8123
 

@@ -17,6 +17,7 @@ from servefleet.api.gateway_config import (
     GatewayDeployment,
     GatewayTenant,
     RoutingConfig,
+    SecretValueRef,
     ServiceRef,
     TenantAccess,
     hash_api_key,
@@ -169,6 +170,7 @@ def test_the_gateway_routes_to_what_the_endpointslices_list() -> None:
                 )
             ],
             routing=RoutingConfig(probe_interval_seconds=3600),
+            internal_api_key=SecretValueRef(value="internal-key"),
         )
         with serve_in_thread(fake) as api:
             gateway = Gateway(config, kubernetes=KubeAccess(server=api))
@@ -197,7 +199,9 @@ def test_the_gateway_routes_to_what_the_endpointslices_list() -> None:
                     assert len(replicas[0].stats.requests) == 3 and not replicas[1].stats.requests
                     # Discovery owns this deployment's replicas: the static update is refused.
                     refused = httpx.post(
-                        internal + "/internal/deployments/d/replicas", json={"endpoints": []}
+                        internal + "/internal/deployments/d/replicas",
+                        json={"endpoints": []},
+                        headers={"authorization": "Bearer internal-key"},
                     )
                     assert refused.status_code == 409
                 finally:

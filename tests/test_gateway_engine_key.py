@@ -9,10 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import yaml
 from pydantic import SecretStr
 
-from servefleet.api.conventions import ROUTE_GATEWAY_KEY
 from servefleet.api.gateway_config import (
     ApiKeyRef,
     GatewayConfig,
@@ -32,6 +30,7 @@ from servefleet.gateway.route_merge import (
     referenced_secrets,
     resolve_route,
 )
+from tests.support.routes import ROUTE_KEY, signed_route
 
 MOUNT = "/etc/servefleet/secrets"
 KEY_PATH = SecretKeyPath("ns", "m-engine-key", "api-key")
@@ -44,18 +43,16 @@ def route_configmap() -> dict[str, Any]:
             {
                 "name": "m",
                 "model": "m",
+                "service": {"namespace": "ns", "name": "m-engine"},
                 "engine_api_key": {"file": f"{MOUNT}/ns/m-engine-key/api-key"},
             }
         ]
     }
-    return {
-        "metadata": {"namespace": "ns", "name": "m-gateway-route"},
-        "data": {ROUTE_GATEWAY_KEY: yaml.safe_dump(fragment)},
-    }
+    return signed_route("ns", "m-gateway-route", fragment)
 
 
 def test_engine_key_is_a_value_reference_resolved_from_its_secret() -> None:
-    route = parse_route(route_configmap())
+    route = parse_route(route_configmap(), ROUTE_KEY)
     tenant_refs, value_refs = referenced_secrets(route, MOUNT)
     assert (tenant_refs, value_refs) == (set(), {KEY_PATH})
     secrets = ResolvedSecrets(values={KEY_PATH: SecretStr("engine-secret")})
@@ -66,7 +63,8 @@ def test_engine_key_is_a_value_reference_resolved_from_its_secret() -> None:
 
 
 def test_deployment_waits_while_its_engine_key_is_missing() -> None:
-    config, warnings = resolve_route(parse_route(route_configmap()), ResolvedSecrets(), MOUNT)
+    route = parse_route(route_configmap(), ROUTE_KEY)
+    config, warnings = resolve_route(route, ResolvedSecrets(), MOUNT)
     assert config.deployments == []
     assert warnings == [
         "ns/m-gateway-route: engine key ns/m-engine-key[api-key] not found; not served yet"

@@ -28,6 +28,7 @@ from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
+INTERNAL = {"authorization": "Bearer internal-key"}
 CHAT: dict[str, Any] = {"model": "m", "messages": MESSAGES, "max_tokens": 8}
 
 
@@ -85,9 +86,13 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
                     **spill_kw,
                 ),
                 GatewayDeployment(
-                    name="other", model="secret-model", tenants=[TenantAccess(name="b")]
+                    name="other",
+                    model="secret-model",
+                    tenants=[TenantAccess(name="b")],
+                    allowed_replica_networks=["127.0.0.0/8"],
                 ),
             ],
+            internal_api_key=SecretValueRef(value="internal-key"),
         )
         gateway = Gateway(config, environ={"HOSTED_KEY": "hosted-key"})
         if not opts.get("no_replicas"):
@@ -217,7 +222,7 @@ def test_spill_over_when_no_replica_is_ready(rig: Rig) -> None:
     ) as stream:
         assert stream.headers["x-servefleet-route"] == "spillover"
         assert b"[DONE]" in stream.read()
-    metrics = httpx.get(rig.internal + "/metrics").text
+    metrics = httpx.get(rig.internal + "/metrics", headers=INTERNAL).text
     assert 'outcome="spilled",tenant="a"} 2.0' in metrics
 
 
@@ -311,17 +316,20 @@ def _post_quietly(client: httpx.Client, base: str, *, timeout: float) -> None:
 
 
 def test_internal_api_reports_and_updates_replicas(rig: Rig) -> None:
-    stats = httpx.get(rig.internal + "/internal/deployments").json()
+    stats = httpx.get(rig.internal + "/internal/deployments", headers=INTERNAL).json()
     assert {s["name"] for s in stats} == {"d", "other"}
     assert {"queue_depth", "in_flight", "service_rate"} <= set(stats[0])
     r = httpx.post(
         rig.internal + "/internal/deployments/other/replicas",
         json={"endpoints": ["http://127.0.0.1:9"]},
+        headers=INTERNAL,
     )
     assert r.status_code == 200 and r.json()["replicas"][0]["state"] == "starting"
     assert (
         httpx.post(
-            rig.internal + "/internal/deployments/x/replicas", json={"endpoints": []}
+            rig.internal + "/internal/deployments/x/replicas",
+            json={"endpoints": []},
+            headers=INTERNAL,
         ).status_code
         == 404
     )
@@ -364,5 +372,5 @@ def test_a_client_leaving_a_stream_is_client_closed_not_an_upstream_error(rig: R
     while 'outcome="client_closed",tenant="a"} 1.0' not in metrics:
         assert time.monotonic() < deadline, metrics
         time.sleep(0.05)
-        metrics = httpx.get(rig.internal + "/metrics").text
+        metrics = httpx.get(rig.internal + "/metrics", headers=INTERNAL).text
     assert 'outcome="upstream_error",tenant="a"} 0.0' in metrics

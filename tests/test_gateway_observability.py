@@ -46,6 +46,10 @@ CHAT: dict[str, Any] = {
 }
 
 
+INTERNAL_KEY = "sk-internal-0123456789"
+INTERNAL = {"authorization": f"Bearer {INTERNAL_KEY}"}
+
+
 def key(tenant: str) -> str:
     return f"sk-secret-{tenant}-0123456789"
 
@@ -57,6 +61,7 @@ def auth(tenant: str) -> dict[str, str]:
 def config(tenants: list[str], upstream: str | None, **kw: Any) -> GatewayConfig:
     limits = kw.pop("limits", {})
     spill = kw.pop("spill_url", None)
+    kw.setdefault("internal_api_key", SecretValueRef(value=INTERNAL_KEY))
     spill_kw: dict[str, Any] = {}
     if spill is not None:
         spill_kw = {
@@ -129,11 +134,11 @@ def test_the_tenant_port_serves_no_metrics_and_no_internal_api(upstream: str) ->
                 assert "acme" not in refused.text and "globex" not in refused.text
         moved = httpx.post(base + "/internal/deployments/d/replicas", json={"endpoints": []})
         assert moved.status_code == 404
-        # Everything is on the internal port.
-        assert "acme" in tenant_values(httpx.get(internal + "/metrics").text)
-        stats = httpx.get(internal + "/internal/deployments").json()
+        # Everything is on the internal port, for the holder of the internal key.
+        assert "acme" in tenant_values(httpx.get(internal + "/metrics", headers=INTERNAL).text)
+        stats = httpx.get(internal + "/internal/deployments", headers=INTERNAL).json()
         assert [s["name"] for s in stats] == ["d"]
-        assert httpx.get(internal + "/v1/models", headers=auth("acme")).status_code == 404
+        assert httpx.get(internal + "/v1/models", headers=INTERNAL).status_code == 404
 
 
 def test_tenant_series_stay_bounded_with_many_tenants(upstream: str) -> None:
@@ -145,7 +150,7 @@ def test_tenant_series_stay_bounded_with_many_tenants(upstream: str) -> None:
             for tenant in tenants[:40]:
                 r = client.post("/v1/chat/completions", headers=auth(tenant), json=CHAT)
                 assert r.status_code == 200
-        text = httpx.get(internal + "/metrics").text
+        text = httpx.get(internal + "/metrics", headers=INTERNAL).text
     labelled = tenant_values(text)
     assert len(labelled) == 11 and OTHER_TENANT in labelled  # 10 tenants + "_other"
     ok = {
@@ -237,7 +242,10 @@ def test_the_gateway_command_serves_two_ports_and_its_log_replays_in_sim(
 ) -> None:
     port, internal_port = free_port(), free_port()
     config_file = tmp_path / "gateway.json"
-    config_file.write_text(config(["acme"], upstream).model_dump_json(exclude_none=True))
+    plain = config(["acme"], upstream, internal_api_key=None)
+    config_file.write_text(plain.model_dump_json(exclude_none=True))
+    key_file = tmp_path / "internal-key"
+    key_file.write_text(INTERNAL_KEY + "\n")
     log = tmp_path / "access.jsonl"
     argv = [
         *servefleet_command(),
@@ -248,6 +256,8 @@ def test_the_gateway_command_serves_two_ports_and_its_log_replays_in_sim(
         str(port),
         "--internal-port",
         str(internal_port),
+        "--internal-api-key-file",
+        str(key_file),
         "--access-log",
         str(log),
     ]
@@ -272,8 +282,10 @@ def test_the_gateway_command_serves_two_ports_and_its_log_replays_in_sim(
                 assert client.post("/v1/chat/completions", json=body).status_code == 200
         assert httpx.get(base + "/metrics").status_code == 404
         assert httpx.get(base + "/internal/deployments").status_code == 404
-        assert 'tenant="acme"' in httpx.get(internal + "/metrics").text
-        assert httpx.get(internal + "/internal/deployments").json()[0]["name"] == "d"
+        assert 'tenant="acme"' in httpx.get(internal + "/metrics", headers=INTERNAL).text
+        stats = httpx.get(internal + "/internal/deployments", headers=INTERNAL)
+        assert stats.json()[0]["name"] == "d"
+        assert httpx.get(internal + "/internal/deployments").status_code == 401
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -6,12 +6,10 @@ from typing import Any
 
 import pytest
 
-from servefleet.api.gateway_config import (
-    GatewayConfig,
+from servefleet.api.gateway_config import GatewayConfig, ServiceRef, hash_api_key
+from servefleet.api.gateway_render import (
     MountedSecretKeys,
     ResolvedSecretKeys,
-    ServiceRef,
-    hash_api_key,
     render_gateway_config,
 )
 from servefleet.api.llmdeployment import LLMDeployment, SecretKeyRef
@@ -112,6 +110,23 @@ def test_the_ready_path_comes_from_the_engine_adapter() -> None:
         [deployment("one", "m1"), vllm], {}, MountedSecretKeys("/etc/servefleet/secrets/")
     )
     assert [d.ready_path for d in config.deployments] == ["/ready", "/health"]
+
+
+def test_engine_facts_the_gateway_acts_on_are_rendered() -> None:
+    """Who takes the gateway's priority, the context a prompt is bounded by, and where the
+    internal API may point replicas (local mode: loopback only)."""
+    vllm = deployment("big", "m2")
+    vllm.spec.engine.kind, vllm.spec.engine.max_model_len = "vllm", 4096
+    config = render_gateway_config(
+        [deployment("one", "m1"), vllm],
+        {},
+        ResolvedSecretKeys(resolve),
+        allowed_replica_networks=["127.0.0.1/32"],
+    )
+    ours, theirs = config.deployments
+    assert (ours.engine_priority, theirs.engine_priority) == (True, False)
+    assert (ours.max_model_len, theirs.max_model_len) == (None, 4096)
+    assert ours.allowed_replica_networks == theirs.allowed_replica_networks == ["127.0.0.1/32"]
 
 
 def test_a_tenant_with_different_limits_in_two_deployments_is_refused() -> None:

@@ -18,7 +18,12 @@ from servefleet.operator import render
 from servefleet.operator.model_loading import fetching_pods, model_loading
 from servefleet.operator.status import Observed, compute_status, transition_events
 
-SETTINGS = render.RenderSettings(engine_image="servefleet:test", gateway_url="http://gw:8080")
+SETTINGS = render.RenderSettings(
+    engine_image="servefleet:test",
+    gateway_url="http://gw:8080",
+    route_signing_key=b"route-signing-key-for-tests",
+    host_path_prefixes=("/var/cache",),
+)
 HF = {
     "huggingface": {
         "repo": "acme/llama",
@@ -114,10 +119,8 @@ def test_progress_lines_round_trip() -> None:
         ),
         (
             {"hostPath": {"path": "/var/cache/models"}},
-            {
-                "name": "model",
-                "hostPath": {"path": "/var/cache/models", "type": "DirectoryOrCreate"},
-            },
+            # The admin's allowed prefix (made by the admin: Directory), "models" a subPath.
+            {"name": "model", "hostPath": {"path": "/var/cache", "type": "Directory"}},
         ),
     ],
 )
@@ -134,11 +137,13 @@ def test_huggingface_source_fetches_into_the_cache(
     source = json.loads(fetch["args"][fetch["args"].index("--source") + 1])
     assert ModelSource.model_validate(source) == dep.spec.model.source
     assert fetch["args"][-2:] == ["--cache", "/models"]
-    assert {"name": "model", "mountPath": "/models"} in fetch["volumeMounts"]
+    sub_path = {"subPath": "models"} if cache and "hostPath" in cache else {}
+    assert {"name": "model", "mountPath": "/models", **sub_path} in fetch["volumeMounts"]
     token = next(e for e in fetch["env"] if e["name"] == "HF_TOKEN")
     assert token["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     engine = spec["containers"][0]
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in engine["volumeMounts"]
+    read_only = {"name": "model", "mountPath": "/models", "readOnly": True, **sub_path}
+    assert read_only in engine["volumeMounts"]
     assert engine_model_arg(spec) == f"/models/{dep.spec.model.source.fetched_path()}"
     if cache and "pvc" in cache:
         assert spec["securityContext"]["fsGroup"] == 10001

@@ -429,8 +429,15 @@ def _response_format_text(t: Target) -> None:
 
 @check("`priority`")
 def _priority(t: Target) -> None:
+    """The engine's scheduling rank (bounded); the gateway sets it from the tenant's traffic
+    class, so a tenant's own is refused there."""
+    if t.kind == "gateway":
+        refused(lambda: complete(t, extra_body={"priority": "batch"}), "priority")
+        return
     assert complete(t, extra_body={"priority": "batch"}).choices
+    assert complete(t, extra_body={"priority": -1_000_000}).choices
     refused(lambda: complete(t, extra_body={"priority": "urgent"}), "priority")
+    refused(lambda: complete(t, extra_body={"priority": -(10**30)}), "priority")
 
 
 @check("`return_token_ids`", "`resume_token_ids`")

@@ -99,7 +99,8 @@ def _engine_document(api_key: str | None) -> tuple[dict[str, Any], set[str]]:
     async def fetch() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://e") as client:
-            return await client.get(OPENAPI_PATH)
+            keyed = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            return await client.get(OPENAPI_PATH, headers=keyed)
 
     response = asyncio.run(fetch())
     assert response.status_code == 200
@@ -112,7 +113,9 @@ def test_the_engine_documents_exactly_the_paths_it_routes() -> None:
     assert set(document["paths"]) == routed
     assert document["info"]["title"] == "servefleet engine"
     assert document["paths"]["/v1/completions"]["post"]["security"] == [{"bearerKey": []}]
-    assert document["paths"]["/tokenize"]["post"]["security"] == []  # /v1 only, as enforced
+    # Every path but the probes needs the key, as enforced (`servefleet.engine.api_key`).
+    assert document["paths"]["/tokenize"]["post"]["security"] == [{"bearerKey": []}]
+    assert document["paths"]["/health"]["get"]["security"] == []
 
 
 def test_an_engine_without_a_key_documents_no_security() -> None:

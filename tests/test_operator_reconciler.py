@@ -14,13 +14,17 @@ from typing import Any
 
 import kopf
 import pytest
+from pydantic import SecretBytes
 
 from servefleet.api import LLMDeployment
+from servefleet.api.conventions import POD_DELETION_COST
 from servefleet.kube import KubeAccess, KubeError, ObjectList
 from servefleet.kube.resources import Resource
 from servefleet.operator.handlers import build_registry, engine_needs_repair, plain
 from servefleet.operator.reconciler import OperatorSettings, Reconciler
 from servefleet.operator.status import EventSpec
+
+KEY = SecretBytes(b"a-route-signing-key-for-tests")
 
 
 class RecordingClient:
@@ -32,6 +36,8 @@ class RecordingClient:
         self.listed: list[dict[str, Any]] = []
         self.created: list[dict[str, Any]] = []
         self.scaled: list[tuple[str, int, str]] = []
+        self.patched: list[tuple[str, str, dict[str, Any], str]] = []
+        self.pods: list[dict[str, Any]] = []
 
     async def set_scale(
         self, resource: Resource, namespace: str, name: str, replicas: int, manager: str
@@ -68,7 +74,21 @@ class RecordingClient:
     async def list(
         self, resource: Resource, namespace: str | None, label_selector: str | None = None
     ) -> ObjectList:
+        if resource.kind == "Pod":
+            assert label_selector == "servefleet.io/component=engine,servefleet.io/llmdeployment=m"
+            return ObjectList(items=self.pods)
         return ObjectList(items=self.listed)
+
+    async def patch(
+        self,
+        resource: Resource,
+        namespace: str | None,
+        name: str,
+        patch: dict[str, Any],
+        field_manager: str,
+    ) -> dict[str, Any]:
+        self.patched.append((resource.kind, name, patch, field_manager))
+        return patch
 
     async def has_api(self, group_version: str, plural: str) -> bool:
         return False
@@ -85,7 +105,9 @@ def dep(status: dict[str, Any] | None = None) -> LLMDeployment:
 
 
 def reconciler(client: RecordingClient, events: list[EventSpec]) -> Reconciler:
-    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw:8080/")
+    settings = OperatorSettings(
+        engine_image="img:1", gateway_url="http://gw:8080/", route_signing_key=KEY
+    )
 
     async def record(target: dict[str, Any], event: EventSpec) -> None:
         events.append(event)
@@ -195,7 +217,9 @@ async def test_the_drift_repair_loop_outlives_an_unexpected_error() -> None:
                 raise asyncio.CancelledError
             return 0
 
-    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw", resync_seconds=0.01)
+    settings = OperatorSettings(
+        engine_image="img:1", gateway_url="http://gw", resync_seconds=0.01, route_signing_key=KEY
+    )
     with pytest.raises(asyncio.CancelledError):
         await Flaky(RecordingClient(), settings).resync_forever()  # type: ignore[arg-type]
     assert len(passes) == 3
@@ -255,7 +279,9 @@ class EventRecordingClient(RecordingClient):
 async def test_events_go_through_our_client_and_never_fail_a_reconcile(fail: bool) -> None:
     """kopf's poster works only inside kopf handlers; the drift pass posts events too."""
     client = EventRecordingClient(fail)
-    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw:8080/")
+    settings = OperatorSettings(
+        engine_image="img:1", gateway_url="http://gw:8080/", route_signing_key=KEY
+    )
     await Reconciler(client, settings).reconcile(dep())  # type: ignore[arg-type]
     assert len(client.status_patches) == 1
     expected = [] if fail else [("m", "WarmPoolNotReady", "servefleet-operator")]
@@ -266,7 +292,9 @@ def test_every_persisted_handler_id_is_a_valid_annotation_name() -> None:
     """kopf stores a handler's retries and progress in an annotation named after its id; an
     id the API server refuses (a nested function's `<locals>` path) turns every retry into a
     422 and a traceback, which the e2e caught under load."""
-    settings = OperatorSettings(engine_image="img:1", gateway_url="http://gw:8080/")
+    settings = OperatorSettings(
+        engine_image="img:1", gateway_url="http://gw:8080/", route_signing_key=KEY
+    )
     registry = build_registry(settings, KubeAccess(server="http://127.0.0.1:1"))
     ids = [handler.id for handler in registry._changing.get_all_handlers()]
     assert ids, "no change handlers registered"
@@ -274,3 +302,52 @@ def test_every_persisted_handler_id_is_a_valid_annotation_name() -> None:
     for handler_id in ids:
         part = handler_id.replace("/", ".")  # kopf's annotation key for a field handler
         assert len(part) <= 63 and name_part.fullmatch(part), handler_id
+
+
+def pod(name: str, cost: str | None = None) -> dict[str, Any]:
+    annotations = {} if cost is None else {"controller.kubernetes.io/pod-deletion-cost": cost}
+    return {"metadata": {"name": name, "annotations": annotations}}
+
+
+async def test_the_autoscalers_ranking_reaches_the_pods_before_the_scale_down() -> None:
+    """The autoscaler may not write pods: it ranks them in status.podDeletionCosts, and the
+    operator copies the ranks to its own engine pods before it applies the lower count."""
+    client = RecordingClient()
+    client.pods = [pod("m-a", "2"), pod("m-b"), pod("m-c", "0")]
+    ranked = dep(
+        status={
+            "podDeletionCosts": [
+                {"pod": "m-a", "cost": 2},
+                {"pod": "m-b", "cost": -1},
+                {"pod": "m-c", "cost": 1},
+                {"pod": "not-an-engine-pod", "cost": 5},  # never listed: never patched
+            ]
+        }
+    )
+    await reconciler(client, []).reconcile(ranked)
+    assert [(kind, name, body) for kind, name, body, _ in client.patched] == [
+        ("Pod", "m-b", {"metadata": {"annotations": {POD_DELETION_COST: "-1"}}}),
+        ("Pod", "m-c", {"metadata": {"annotations": {POD_DELETION_COST: "1"}}}),
+    ]
+    assert {manager for *_, manager in client.patched} == {"servefleet-operator"}
+    # The status the operator writes leaves the ranking to the autoscaler.
+    assert "podDeletionCosts" not in client.status_patches[0]["status"]
+    client.patched.clear()
+    await reconciler(client, []).reconcile(dep())  # no ranking: no pod is touched
+    assert client.patched == []
+
+
+async def test_a_refused_spec_applies_nothing_and_says_why() -> None:
+    client, events = RecordingClient(), list[EventSpec]()
+    evil = dep()
+    evil.spec.engine.image = "evil.example/miner:1"
+    await reconciler(client, events).reconcile(evil)  # no retry loop: not a TemporaryError
+    assert client.applied == [] and client.created == [] and client.scaled == []
+    conditions = {c["type"]: c for c in client.status_patches[0]["status"]["conditions"]}
+    degraded = conditions["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "ImageNotAllowed")
+    assert "evil.example/miner:1" in degraded["message"]
+    assert "operator.allowedImages" in degraded["message"]
+    assert conditions["Progressing"]["status"] == "False"
+    warning = next(e for e in events if e.type == "Warning")
+    assert warning.reason == "ImageNotAllowed" and "evil.example/miner:1" in warning.message

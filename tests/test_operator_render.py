@@ -17,12 +17,18 @@ from servefleet.api.conventions import (
 )
 from servefleet.api.engines import ENGINE_ADAPTERS
 from servefleet.api.gateway_config import GatewayConfig
+from servefleet.api.route_signature import signature_matches
 from servefleet.operator import render
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = Path(__file__).with_name("test_operator_render_snapshot.yaml")
+KEY = b"route-signing-key-for-the-tests"
 SETTINGS = render.RenderSettings(
-    engine_image="servefleet:test", gateway_url="http://gw.servefleet.svc:8080"
+    engine_image="servefleet:test",
+    gateway_url="http://gw.servefleet.svc:8080",
+    route_signing_key=KEY,
+    system_namespace="sf-system",
+    metrics_namespaces=("monitoring",),
 )
 
 
@@ -183,7 +189,7 @@ def test_sglang_adapter_flags_and_port() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/health_generate"
     assert container["args"][-1] == "--trust-remote-code"
     assert container["args"][container["args"].index("--max-running-requests") + 1] == "32"
-    assert container["env"][2] == {
+    assert container["env"][-1] == {
         "name": "TOKEN",
         "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}},
     }
@@ -209,7 +215,7 @@ def test_headless_service_and_pdb() -> None:
 
 
 def test_gateway_route_is_a_gateway_config_with_secret_references_only() -> None:
-    configmap = render.gateway_route_configmap(example())
+    configmap = render.gateway_route_configmap(example(), KEY)
     assert configmap["metadata"]["labels"][LABEL_GATEWAY_ROUTE] == "true"
     config = GatewayConfig.model_validate(yaml.safe_load(configmap["data"][ROUTE_GATEWAY_KEY]))
     (deployment,) = config.deployments
@@ -312,24 +318,60 @@ def test_max_model_len_reaches_our_engine() -> None:
     assert "--quantization" not in args
 
 
-def test_engine_pods_run_restricted() -> None:
-    ours = render.engine_pod_template(example(), SETTINGS)["spec"]
-    assert ours["securityContext"] == {
+RESTRICTED = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+}
+
+
+@pytest.mark.parametrize("kind", ["servefleet", "vllm", "sglang"])
+def test_every_engine_pod_container_runs_non_root_on_a_read_only_root(kind: str) -> None:
+    source = (
+        {"builtin": "smollm2-135m-instruct"} if kind == "servefleet" else {"url": "https://x/m"}
+    )
+    pod = pod_spec({"model": {"name": "m", "source": source}, "engine": {"kind": kind}})
+    # vLLM's and SGLang's images would run as root: every kind runs as the engine user.
+    assert pod["securityContext"] == {
         "runAsNonRoot": True,
         "runAsUser": 10001,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-    assert ours["containers"][0]["securityContext"] == restricted
-    # vLLM's and SGLang's images run as root: everything but the user is restricted.
-    vllm = pod_spec(GPU_SPEC)
-    assert vllm["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
-    assert vllm["containers"][0]["securityContext"] == restricted
-    fetched = pod_spec({"model": {"name": "m", "source": {"url": "https://models.example/m.gguf"}}})
-    assert all(c["securityContext"] == restricted for c in fetched["initContainers"])
+    assert pod["automountServiceAccountToken"] is False
+    containers = [*pod["containers"], *pod.get("initContainers", [])]
+    assert containers and all(c["securityContext"] == RESTRICTED for c in containers)
+    # What engines write goes to the scratch emptyDir: HOME and caches point there.
+    assert {"name": "scratch", "emptyDir": {}} in pod["volumes"]
+    engine = pod["containers"][0]
+    assert {"name": "scratch", "mountPath": "/tmp"} in engine["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert (env["HOME"], env["XDG_CACHE_HOME"]) == ("/tmp", "/tmp/.cache")
+    for init in pod.get("initContainers", []):
+        assert {"name": "scratch", "mountPath": "/tmp"} in init["volumeMounts"] or init[
+            "name"
+        ] == "scratch-seed"
 
 
-def test_network_policy_admits_only_the_gateway_autoscaler_and_labelled_clients() -> None:
+def test_our_engine_keeps_the_kernels_its_image_ships_under_the_scratch_mount() -> None:
+    pod = render.engine_pod_template(example(), SETTINGS)["spec"]
+    (seed,) = pod["initContainers"]
+    assert seed["name"] == "scratch-seed" and seed["image"] == "servefleet:test"
+    assert seed["command"][:2] == ["sh", "-c"] and "/tmp/servefleet" in seed["command"][2]
+    assert seed["volumeMounts"] == [{"name": "scratch", "mountPath": "/seed"}]
+    assert "initContainers" not in pod_spec(GPU_SPEC)  # vLLM's image ships nothing there
+
+
+def test_a_user_env_var_wins_over_the_scratch_defaults() -> None:
+    spec = {
+        "model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}},
+        "engine": {"env": [{"name": "HOME", "value": "/tmp/mine"}]},
+    }
+    env = [e for e in pod_spec(spec)["containers"][0]["env"] if e["name"] == "HOME"]
+    assert env == [{"name": "HOME", "value": "/tmp/mine"}]
+
+
+def test_network_policy_admits_only_the_chart_namespace_and_prometheus_namespaces() -> None:
     dep = example()
     policy = by_kind(render.children(dep, SETTINGS, False))["NetworkPolicy"]
     assert policy["metadata"]["name"] == "smollm2-engine"
@@ -337,13 +379,34 @@ def test_network_policy_admits_only_the_gateway_autoscaler_and_labelled_clients(
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    peers = [p["podSelector"]["matchLabels"] for p in rule["from"]]
-    assert peers == [
-        {"app.kubernetes.io/part-of": "servefleet", "app.kubernetes.io/component": "gateway"},
-        {"app.kubernetes.io/part-of": "servefleet", "app.kubernetes.io/component": "autoscaler"},
-        {"servefleet.io/engine-client": "true"},
-    ]
-    assert all(p["namespaceSelector"] == {} for p in rule["from"])
+    chart_namespace = {"matchLabels": {"kubernetes.io/metadata.name": "sf-system"}}
+    gateway, autoscaler, prometheus = rule["from"]
+    # A pod that labels itself "gateway" in its own namespace matches no peer: the chart's
+    # pods are selected in the chart's namespace only, by the label the API server sets.
+    assert gateway == {
+        "namespaceSelector": chart_namespace,
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/part-of": "servefleet",
+                "app.kubernetes.io/component": "gateway",
+            }
+        },
+    }
+    assert autoscaler["namespaceSelector"] == chart_namespace
+    assert autoscaler["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "autoscaler"
+    assert prometheus == {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}
+            ]
+        }
+    }
+    assert "engine-client" not in str(policy)
+    plain = render.RenderSettings(
+        engine_image="x", gateway_url="http://gw", route_signing_key=KEY, system_namespace="s"
+    )
+    (rule,) = render.engine_network_policy(dep, plain)["spec"]["ingress"]
+    assert len(rule["from"]) == 2  # no Prometheus namespace named: none admitted
 
 
 @pytest.mark.parametrize(
@@ -387,7 +450,7 @@ def test_engine_key_secret_is_random_and_only_made_when_the_spec_names_none() ->
     assert render.engine_key_secret_for(named) is None
     env = render.engine_pod_template(named, SETTINGS)["spec"]["containers"][0]["env"]
     assert env[0]["valueFrom"] == {"secretKeyRef": {"name": "mine", "key": "k"}}
-    route = yaml.safe_load(render.gateway_route_configmap(named)["data"][ROUTE_GATEWAY_KEY])
+    route = yaml.safe_load(render.gateway_route_configmap(named, KEY)["data"][ROUTE_GATEWAY_KEY])
     assert route["deployments"][0]["engine_api_key"] == {
         "file": "/etc/servefleet/secrets/ns/mine/k"
     }
@@ -395,8 +458,80 @@ def test_engine_key_secret_is_random_and_only_made_when_the_spec_names_none() ->
 
 def test_gateway_route_references_the_engine_key_never_its_value() -> None:
     config = GatewayConfig.model_validate(
-        yaml.safe_load(render.gateway_route_configmap(example())["data"][ROUTE_GATEWAY_KEY])
+        yaml.safe_load(render.gateway_route_configmap(example(), KEY)["data"][ROUTE_GATEWAY_KEY])
     )
     key = config.deployments[0].engine_api_key
     assert key is not None
     assert key.file == "/etc/servefleet/secrets/default/smollm2-engine-key/api-key"
+
+
+def test_the_route_is_signed_over_its_namespace_name_owner_and_data() -> None:
+    configmap = render.gateway_route_configmap(example(), KEY)
+    meta = configmap["metadata"]
+    signature = meta["annotations"]["servefleet.io/route-signature"]
+    args = (meta["namespace"], meta["name"], "uid-1", configmap["data"])
+    assert signature_matches(KEY, signature, *args)
+    assert not signature_matches(b"another-key-another-key", signature, *args)
+    assert not signature_matches(KEY, signature, "other-namespace", *args[1:])
+    assert not signature_matches(KEY, signature, args[0], args[1], "another-owner", args[3])
+    edited = {ROUTE_GATEWAY_KEY: configmap["data"][ROUTE_GATEWAY_KEY] + "\n# more"}
+    assert not signature_matches(KEY, signature, *args[:3], edited)
+    # Deterministic: re-applying an unchanged spec changes nothing.
+    assert render.gateway_route_configmap(example(), KEY) == configmap
+
+
+def test_a_host_path_cache_mounts_its_allowed_prefix_and_the_rest_as_sub_path() -> None:
+    spec = {
+        "model": {
+            "name": "m",
+            "source": {"url": "https://models.example/m.gguf"},
+            "cache": {"hostPath": {"path": "/var/cache/servefleet/team-a"}},
+        }
+    }
+    allowed = render.RenderSettings(
+        engine_image="servefleet:test",
+        gateway_url="http://gw",
+        route_signing_key=KEY,
+        host_path_prefixes=("/var/cache/servefleet",),
+    )
+    dep = make(spec)
+    assert render.refusal(dep, allowed) is None
+    pod = render.engine_pod_template(dep, allowed)["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    # The prefix, never the team's path itself: the kubelet resolves a subPath without
+    # following a symbolic link out of the volume.
+    assert volume == {
+        "name": "model",
+        "hostPath": {"path": "/var/cache/servefleet", "type": "Directory"},
+    }
+    fetch = next(c for c in pod["initContainers"] if c["name"] == "model-fetch")
+    mounts = [*fetch["volumeMounts"], *pod["containers"][0]["volumeMounts"]]
+    assert [m.get("subPath") for m in mounts if m["name"] == "model"] == ["team-a", "team-a"]
+    refused = render.refusal(dep, SETTINGS)  # no prefix allowed: the default
+    assert refused is not None and refused.reason == "HostPathNotAllowed"
+    assert "/var/cache/servefleet/team-a" in refused.message
+    assert "operator.allowedHostPathPrefixes" in refused.message
+
+
+def test_an_engine_image_outside_the_allow_list_is_refused() -> None:
+    def spec(kind: str, image: str | None) -> LLMDeployment:
+        source = (
+            {"builtin": "smollm2-135m-instruct"} if kind == "servefleet" else {"url": "https://x/m"}
+        )
+        engine = {"kind": kind, **({"image": image} if image else {})}
+        return make({"model": {"name": "m", "source": source}, "engine": engine})
+
+    for kind, image in [
+        ("servefleet", None),  # the operator's own image
+        ("servefleet", "servefleet:test"),
+        ("vllm", None),  # the adapters' default images: allowed by default
+        ("sglang", None),
+        ("vllm", "docker.io/vllm/vllm-openai:v0.11.0"),
+        ("vllm", "vllm/vllm-openai@sha256:" + "a" * 64),
+    ]:
+        assert render.refusal(spec(kind, image), SETTINGS) is None, (kind, image)
+    refused = render.refusal(spec("vllm", "evil.example/miner:1"), SETTINGS)
+    assert refused is not None and refused.reason == "ImageNotAllowed"
+    assert "evil.example/miner:1" in refused.message and "operator.allowedImages" in refused.message
+    # A name that merely starts like an allowed repository is another repository.
+    assert render.refusal(spec("vllm", "vllm/vllm-openai-evil:1"), SETTINGS) is not None

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Builds (only when missing) the Kubernetes binaries the e2e tests run against:
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy,
-# kubectl and helm, from their Go modules, into ${SERVEFLEET_CACHE_DIR:-~/.cache/servefleet}/k8s/<version>/bin.
+# kubectl, helm and kube-router (the e2e node's NetworkPolicy firewall), from their Go
+# modules, into ${SERVEFLEET_CACHE_DIR:-~/.cache/servefleet}/k8s/<version>/bin.
 # Prints that bin directory on its last line. Builds run under `nice -n 19`.
 set -euo pipefail
 
 KUBE_VERSION="v1.34.4"
 HELM_VERSION="v3.19.5"
 ETCD_VERSION="v3.6.4"
+KUBE_ROUTER_VERSION="v2.1.0"  # the newest kube-router/v2 the Go module proxy serves
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${SERVEFLEET_CACHE_DIR:-$HOME/.cache/servefleet}"
@@ -60,10 +62,15 @@ build_module() {  # build_module MODULE_DIR LDFLAGS NAME=PACKAGE...
   echo "build.sh: built ${names[*]} in $((SECONDS - start))s" >&2
 }
 
-# helm's module downloads and compiles alongside the (much larger) Kubernetes build.
+# helm's and kube-router's modules download and compile alongside the (much larger)
+# Kubernetes build.
 build_module helm "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
   helm=helm.sh/helm/v3/cmd/helm &
 helm_build=$!
+build_module kube-router \
+  "-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION" \
+  kube-router=github.com/cloudnativelabs/kube-router/v2/cmd/kube-router &
+kube_router_build=$!
 build_module kube "$kube_ldflags" \
   etcd=go.etcd.io/etcd/server/v3 \
   kube-apiserver=k8s.io/kubernetes/cmd/kube-apiserver \
@@ -73,5 +80,6 @@ build_module kube "$kube_ldflags" \
   kube-proxy=k8s.io/kubernetes/cmd/kube-proxy \
   kubectl=k8s.io/kubernetes/cmd/kubectl
 wait "$helm_build"
+wait "$kube_router_build"
 
 echo "$bin"

@@ -1,9 +1,9 @@
 """What the e2e node changes on the host, and how it is put back.
 
-The node needs a bridge for its pods, and kubelet/kube-proxy add iptables chains, cgroups
-and mounts; containerd leaves shims and mounts when it stops hard. Each helper here undoes
-one of those and touches nothing of anyone else's (chains by prefix, mounts by directory,
-shims by their containerd socket).
+The node needs a bridge for its pods, and kubelet/kube-proxy/kube-router add iptables
+chains, ipsets, cgroups and mounts; containerd leaves shims and mounts when it stops hard.
+Each helper here undoes one of those and touches nothing of anyone else's (chains and ipsets
+by prefix, mounts by directory, shims by their containerd socket).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -58,6 +59,19 @@ def remove_iptables_chains(prefix: str = KUBE_CHAIN_PREFIX) -> None:
                 run(binary, "-t", table, "-F", chain)
             for chain in chains:
                 run(binary, "-t", table, "-X", chain)
+
+
+def destroy_ipsets(prefix: str = KUBE_CHAIN_PREFIX) -> None:
+    """Destroy every ipset named `prefix*` (kube-router's policy sets; IPv6 ones `inet6:*`).
+
+    Call after `remove_iptables_chains`: a set some rule still matches cannot be destroyed.
+    """
+    listed = run("ipset", "list", "-n") if shutil.which("ipset") else None
+    if listed is None or listed.returncode != 0:
+        return
+    for name in listed.stdout.split():
+        if name.removeprefix("inet6:").startswith(prefix):
+            run("ipset", "destroy", name)
 
 
 def unmount_under(*roots: Path) -> None:

@@ -4,8 +4,9 @@
 #   base    Debian bookworm minbase + python3.11 (debootstrap), cached as a tarball
 #   uv      this machine's uv binary (the Dockerfile's UV_IMAGE)
 #   pause   catatonit -P, the pod sandbox process
+#   redis   Debian's redis-server on the base (the chart's Redis, when a test enables it)
 # Images are tagged with a hash of what goes into them; one already in containerd is not
-# built again. Prints `role=reference` lines (pause, control-plane, engine).
+# built again. Prints `role=reference` lines (pause, redis, control-plane, engine).
 #
 # usage: images.sh CONTAINERD_SOCKET
 set -euo pipefail
@@ -89,6 +90,27 @@ pause_image() {
   echo "pause=$ref"
 }
 
+redis_image() {  # BASE: redis-server from Debian's archive, started as the official image does
+  local base="$1" ref="localhost/servefleet-e2e-redis:$suite" ctr
+  if ! in_containerd "$ref"; then
+    if ! bah inspect --type image "$ref" >/dev/null 2>&1; then
+      log "building $ref (apt-get install redis-server, once)"
+      ctr="$(bah from --pull-never "$base")"
+      bah run --network host "$ctr" -- sh -c 'apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+          redis-server >/dev/null && rm -rf /var/lib/apt/lists/*' >"$cache/build-redis.log" 2>&1 \
+        || { tail -20 "$cache/build-redis.log" >&2; exit 1; }
+      # The official image compiles protected mode off: the Service, not a loopback bind,
+      # is the door (and the chart's NetworkPolicy the lock).
+      bah config --cmd '' --workingdir /data "$ctr"
+      bah config --entrypoint '["redis-server", "--protected-mode", "no"]' "$ctr"
+      bah commit --quiet --rm "$ctr" "$ref" >/dev/null
+    fi
+    import_into_containerd "$ref"
+  fi
+  echo "redis=$ref"
+}
+
 source_hash() {  # a tag from every file the build context holds, plus the build inputs
   (
     cd "$repo"
@@ -143,5 +165,6 @@ forget_older() {  # REPOSITORY KEEP: earlier builds of a role, out of both store
 pause_image
 base="$(base_image)"
 uv="$(uv_image)"
+redis_image "$base"
 project_image control-plane control-plane "$base" "$uv"
 project_image engine engine-cpu "$base" "$uv"

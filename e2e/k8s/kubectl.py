@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -103,6 +104,14 @@ class Kube:
     def create_namespace(self, name: str) -> None:
         self.kubectl("create", "namespace", name)
 
+    def secret_file(self, namespace: str, name: str, key: str, path: Path) -> Path:
+        """One key of a Secret written to `path` (what a pod mounting it would read)."""
+        encoded = self.kubectl(
+            "get", "secret", name, "-n", namespace, "-o", f"jsonpath={{.data.{key}}}"
+        )
+        path.write_bytes(base64.b64decode(encoded))
+        return path
+
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
         token = self.kubectl("create", "token", name, "-n", namespace, "--duration=4h").strip()
         server = yaml.safe_load(self.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
@@ -153,8 +162,17 @@ def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
 class OperatorProcess:
     """`servefleet operator` as a child process, with the chart ServiceAccount's kubeconfig."""
 
-    def __init__(self, kubeconfig: Path, log_dir: Path, resync_seconds: float = 3.0) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_dir: Path,
+        route_key_file: Path,
+        resync_seconds: float = 3.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.kubeconfig = kubeconfig
+        self.route_key_file = route_key_file
+        self.extra_args = extra_args
         self.log_dir = log_dir
         self.resync_seconds = resync_seconds
         self.proc: subprocess.Popen[bytes] | None = None
@@ -178,6 +196,9 @@ class OperatorProcess:
             f"--resync-seconds={self.resync_seconds}",
             "--health-port=0",
             "--log-level=INFO",
+            f"--route-signing-key-file={self.route_key_file}",
+            "--system-namespace=servefleet",
+            *self.extra_args,
         ]
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process

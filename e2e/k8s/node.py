@@ -2,13 +2,14 @@
 
 The control plane of `cluster.py` (plus kube-scheduler), and a node: containerd (its own
 root, state and socket), CNI bridge networking, kubelet (cgroupfs, cgroup v1 accepted),
-kube-proxy in iptables mode and a small cluster DNS (`dns.py`). The project's images are
+kube-proxy in iptables mode, kube-router's firewall enforcing NetworkPolicies
+(`firewall.py`) and a small cluster DNS (`dns.py`). The project's images are
 built from its Dockerfile and imported into containerd (`images.sh`). Needs root.
 
 Persistent (cached, so a second run starts in seconds): containerd's image store and
 buildah's storage under ~/.cache/servefleet. Per run: everything else, under `run_dir`.
 `stop()` puts the host back: pods stopped, processes ended, mounts, iptables chains,
-cgroups and the bridge removed.
+ipsets, cgroups and the bridge removed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from k8s import host
+from k8s import firewall, host
 from k8s.cluster import LocalControlPlane
 from k8s.kubectl import Kube
 
@@ -60,6 +61,7 @@ class LocalNode:
     images: dict[str, str] = field(default_factory=dict)
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    bridge_nf_before: str | None = None  # net.bridge.bridge-nf-call-iptables before start
 
     @property
     def containerd_socket(self) -> Path:
@@ -94,6 +96,7 @@ class LocalNode:
         if os.geteuid() != 0:
             raise RuntimeError("the e2e node runs containerd and kubelet: run the tests as root")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.bridge_nf_before = firewall.enable_bridge_netfilter()
         host.create_bridge(BRIDGE, f"{NODE_IP}/24")
         start = time.monotonic()
         self._start_containerd()
@@ -125,6 +128,9 @@ class LocalNode:
         self._start_kube_proxy()
         self._wait_node_ready(timeout=120)
         self._timed("node", start)
+        start = time.monotonic()
+        self._start_firewall()
+        self._timed("network policies", start)
 
     def _start_containerd(self) -> None:
         state = self.run_dir / "containerd"
@@ -270,6 +276,21 @@ class LocalNode:
         config.write_text(yaml.safe_dump(settings))
         self._spawn("kube-proxy", [str(self.bin_dir / "kube-proxy"), f"--config={config}"])
 
+    def _start_firewall(self) -> None:
+        """kube-router's NetworkPolicy firewall; it reads the Node object, so after Ready."""
+        assert self.plane is not None
+        metrics_port = free_port()
+        args = firewall.kube_router_args(
+            self.bin_dir, self.plane.kubeconfig, NODE_NAME, SERVICE_CIDR, metrics_port
+        )
+        proc = self._spawn("kube-router", args)
+        firewall.wait_synced(
+            metrics_port,
+            alive=lambda: proc.poll() is None,
+            log_tail=lambda: self.log_tail("kube-router"),
+            timeout=60,
+        )
+
     def _wait_node_ready(self, timeout: float) -> None:
         assert self.plane is not None
         deadline = time.monotonic() + timeout
@@ -324,7 +345,9 @@ class LocalNode:
         self.processes.clear()
         host.kill_shims(self.containerd_socket)
         host.unmount_under(self.run_dir, self.containerd_root)
-        host.remove_iptables_chains()
+        host.remove_iptables_chains()  # kube-router's chains are KUBE-* too
+        host.destroy_ipsets()
+        firewall.restore_bridge_netfilter(self.bridge_nf_before)
         host.remove_cgroups("kubepods")
         host.delete_bridge(BRIDGE)
         host.remove_links_into(Path("/var/log/containers"), self.run_dir)

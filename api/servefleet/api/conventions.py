@@ -18,9 +18,9 @@ LABEL_ENGINE = f"{API_GROUP}/engine"
 """On engine pods: the engine kind (servefleet, vllm, sglang)."""
 LABEL_GATEWAY_ROUTE = f"{API_GROUP}/gateway-route"
 """'true' on the route ConfigMaps the gateway watches."""
-LABEL_ENGINE_CLIENT = f"{API_GROUP}/engine-client"
-"""'true' on a pod (e.g. Prometheus) the engine NetworkPolicy lets reach engine pods,
-besides the chart's gateway and autoscaler."""
+ANNOTATION_ROUTE_SIGNATURE = f"{API_GROUP}/route-signature"
+"""On a route ConfigMap: the operator's HMAC of it (`servefleet.api.route_signature`); the
+gateway serves no route without a valid one."""
 
 COMPONENT_ENGINE = "engine"
 COMPONENT_GATEWAY_ROUTE = "gateway-route"
@@ -36,12 +36,18 @@ LABEL_APP_COMPONENT = "app.kubernetes.io/component"
 CHART_COMPONENT_GATEWAY = "gateway"
 GATEWAY_INTERNAL_PORT_NAME = "internal"
 """Named port of the gateway's /metrics and /internal/* (the autoscaler and Prometheus use it)."""
+INTERNAL_API_KEY_ENV = "SERVEFLEET_INTERNAL_API_KEY"
+"""Environment variable holding the gateway's internal API key (gateway and autoscaler), where
+no `--internal-api-key-file` is given."""
 CHART_COMPONENT_AUTOSCALER = "autoscaler"
 PART_OF = "servefleet"
 ENGINE_APP_NAME = "servefleet-engine"
 
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 """Set by Kubernetes on an EndpointSlice: the Service it belongs to."""
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
+"""Set by the API server on every Namespace (its name; nobody else can set it): what
+NetworkPolicies select a namespace by."""
 POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 """The ReplicaSet controller removes the pod with the lowest cost first on scale-down."""
 
@@ -50,14 +56,21 @@ POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 FIELD_MANAGER_OPERATOR = "servefleet-operator"
 """Server-side apply owner of the operator's children (also their managed-by label)."""
 FIELD_MANAGER_AUTOSCALER = "servefleet-autoscaler"
-"""Owner of the autoscaler's writes (scale, pod annotations) and source of its Events."""
+"""Owner of the autoscaler's writes (scale, status) and source of its Events."""
 
 # --------------------------------------------------------------------------- route ConfigMaps
 
 ROUTE_LABEL_SELECTOR = f"{LABEL_GATEWAY_ROUTE}=true"
 ROUTE_GATEWAY_KEY = "gateway.yaml"
 """ConfigMap key of the deployment's GatewayConfig fragment."""
-"""ConfigMap key of the engine's port, metrics path and metric names."""
+
+
+def route_scoped(namespace: str, name: str) -> str:
+    """How the gateway names a route's tenants and deployments (and how they appear in its
+    metrics, stats and logs, and in the autoscaler's): `<namespace>/<name>`. A route's names
+    are visible only inside its own namespace, so no other namespace can take them."""
+    return f"{namespace}/{name}"
+
 
 # --------------------------------------------------------------------------- pods
 
@@ -70,6 +83,13 @@ SHM_VOLUME = "dshm"
 SHM_MOUNT = "/dev/shm"
 SECRETS_MOUNT = "/etc/servefleet/secrets"
 """Where tenant and spill-over Secret keys are referenced: <this>/<namespace>/<secret>/<key>."""
+SCRATCH_VOLUME = "scratch"
+SCRATCH_MOUNT = "/tmp"
+"""The engine pods' writable emptyDir (their root filesystems are read-only): HOME, caches,
+temporary files."""
+ENGINE_USER = 10001
+"""The user every engine-pod container runs as (our images' user; vLLM's and SGLang's run
+as it too, with HOME in the scratch volume)."""
 
 
 def engine_object_name(deployment: str) -> str:

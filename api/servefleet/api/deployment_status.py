@@ -1,5 +1,5 @@
 """The LLMDeployment's status: what the operator observed, written through the status
-subresource (the autoscaler writes only `queueDepth`)."""
+subresource (the autoscaler writes only `queueDepth` and `podDeletionCosts`)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ class Condition(ApiModel):
     )
 
 
+class PodDeletionCost(ApiModel):
+    """One engine pod's rank for the next scale-down (the lowest is removed first)."""
+
+    pod: str = Field(description="Name of the engine pod.", max_length=253)
+    cost: int = Field(description="Its controller.kubernetes.io/pod-deletion-cost.")
+
+
 class LLMDeploymentStatus(ApiModel):
     """What the operator observed; written through the status subresource."""
 
@@ -51,6 +58,15 @@ class LLMDeploymentStatus(ApiModel):
     )
     selector: str = Field(
         default="", description="Label selector of the engine pods (for the scale subresource)."
+    )
+    pod_deletion_costs: list[PodDeletionCost] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="Written by the autoscaler before it lowers spec.replicas: the engine pods "
+        "ranked by what draining them costs. The operator copies each to its pod's "
+        "controller.kubernetes.io/pod-deletion-cost annotation before it scales the engine "
+        "Deployment, so the ReplicaSet removes the idlest replica and the autoscaler needs no "
+        "write access to pods.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,

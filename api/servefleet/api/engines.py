@@ -65,8 +65,11 @@ class EngineAdapter:
     api_key_flag: str | None
     """Flag for engines that read the key only from their command line: passed
     `$(api_key_env)`, which the kubelet expands, so the key stays out of the pod spec."""
-    run_as_user: int | None
-    """Non-root user of the default image; None: the image runs as root (vLLM, SGLang)."""
+    image_scratch: str | None
+    """A folder the image ships inside the pod's scratch mount (`conventions.SCRATCH_MOUNT`,
+    mounted over it because root filesystems are read-only) that the engine needs: copied
+    into the scratch volume before the engine starts. Ours: the C kernels compiled when the
+    image was built (`SERVEFLEET_CACHE_DIR`), so a pod does not compile them again."""
 
     def args(
         self,
@@ -202,7 +205,7 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         needs_shared_memory=False,
         api_key_env="SERVEFLEET_API_KEY",
         api_key_flag=None,
-        run_as_user=10001,  # the Dockerfile's engine user
+        image_scratch="/tmp/servefleet",  # the Dockerfile's SERVEFLEET_CACHE_DIR
     ),
     "vllm": EngineAdapter(
         kind="vllm",
@@ -218,7 +221,7 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         needs_shared_memory=True,
         api_key_env="VLLM_API_KEY",  # vLLM's own fallback for --api-key
         api_key_flag=None,
-        run_as_user=None,
+        image_scratch=None,
     ),
     "sglang": EngineAdapter(
         kind="sglang",
@@ -238,7 +241,7 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         needs_shared_memory=True,
         api_key_env="SERVEFLEET_API_KEY",
         api_key_flag="--api-key",
-        run_as_user=None,
+        image_scratch=None,
     ),
 }
 

@@ -1,8 +1,8 @@
 """The gateway's configuration: one pydantic model for Kubernetes and local mode alike.
 
 The operator renders it into a ConfigMap (keys stay in Secrets, mounted as files) and
-`servefleet up` renders it in process; both call `render_gateway_config`, so the two modes
-cannot drift. Deployment-level settings reuse the LLMDeployment sub-models unchanged.
+`servefleet up` renders it in process; both call `servefleet.api.gateway_render`, so the two
+modes cannot drift. Deployment-level settings reuse the LLMDeployment sub-models unchanged.
 
 Keys never appear in clear text: a tenant key is referenced by its SHA-256, a file or an
 environment variable; a value held in memory (local mode) is a `SecretStr` that prints as stars.
@@ -12,23 +12,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from servefleet.api.engines import engine_adapter
 from servefleet.api.llmdeployment import (
     AdmissionSpec,
-    LLMDeployment,
     PoolSpec,
-    SecretKeyRef,
     SpilloverSpec,
     TenantLimits,
-    TenantSpec,
 )
+from servefleet.api.replica_endpoints import parse_networks, replica_endpoint_problem
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
 
@@ -96,7 +92,11 @@ class ApiKeyRef(ConfigModel):
 class GatewayTenant(ConfigModel):
     """A tenant: its keys and its tenant-wide limits (shared across every model)."""
 
-    name: str = Field(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str = Field(
+        # Tenants from Kubernetes routes are `<namespace>/<name>` (conventions.route_scoped).
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[a-z]([-a-z0-9]*[a-z0-9])?$",
+        max_length=127,
+    )
     api_keys: list[ApiKeyRef] = Field(min_length=1)
     limits: TenantLimits = Field(default_factory=TenantLimits)
 
@@ -182,14 +182,38 @@ class GatewayDeployment(ConfigModel):
         description="The engines resume from token ids (servefleet); false for vLLM/SGLang, "
         "which are sent the delivered text instead (`servefleet.api.stream_resume`).",
     )
+    engine_priority: bool = Field(
+        default=True,
+        description="The engines take the gateway's `priority` (servefleet's scheduler): a "
+        "batch tenant's requests are sent with priority `batch`. False for vLLM/SGLang, "
+        "which are sent none. A tenant never sets it.",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        description="The engines' context length (tokens); unset: the model's, when the "
+        "gateway has its tokenizer. A prompt whose length proves it cannot fit is a 400 "
+        "before anything tokenizes it.",
+    )
+    allowed_replica_networks: list[str] | None = Field(
+        default=None,
+        description="CIDRs that POST /internal/deployments/<name>/replicas may point at "
+        "(local mode renders 127.0.0.1/32); unset: the addresses of `endpoints`, and none "
+        "when there are none.",
+    )
 
     @model_validator(mode="after")
     def _spill_key(self) -> GatewayDeployment:
         if self.spillover is not None and self.spillover.enabled and self.spillover_api_key is None:
             raise ValueError(f"deployment {self.name}: spillover needs spilloverApiKey")
         for endpoint in self.endpoints:
-            if not re.match(r"^https?://[^/]+", endpoint):
-                raise ValueError(f"deployment {self.name}: endpoint {endpoint!r} is not a URL")
+            problem = replica_endpoint_problem(endpoint)
+            if problem is not None:
+                raise ValueError(f"deployment {self.name}: endpoint {endpoint!r} {problem}")
+        try:
+            parse_networks(self.allowed_replica_networks or ())
+        except ValueError as exc:
+            raise ValueError(f"deployment {self.name}: allowed_replica_networks: {exc}") from None
         return self
 
 
@@ -199,6 +223,11 @@ class RedisConfig(ConfigModel):
     timeout_seconds: float = Field(default=0.25, gt=0)
     gateway_replicas: int = Field(
         default=1, ge=1, description="While Redis is down each replica enforces 1/N of a limit."
+    )
+    password: SecretValueRef | None = Field(
+        default=None,
+        description="Redis' password (AUTH), e.g. a mounted Secret file; kept out of `url`, "
+        "which lives in a ConfigMap.",
     )
 
 
@@ -210,7 +239,10 @@ class GatewayConfig(ConfigModel):
     deployments: list[GatewayDeployment] = Field(default_factory=list)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     internal_api_key: SecretValueRef | None = Field(
-        default=None, description="Bearer key for POST /internal/...; unset = no auth (local mode)."
+        default=None,
+        description="Bearer key of every internal path but /health (/metrics, /internal/*); "
+        "required whenever the internal port is served. Unset: the internal app answers "
+        "nothing but /health (in-process use reads the gateway directly).",
     )
     internal_port: int | None = Field(
         default=8090,
@@ -225,6 +257,12 @@ class GatewayConfig(ConfigModel):
         description="Tenants with their own metric series; later ones are summed in "
         'tenant="_other", so a tenant-heavy gateway cannot flood Prometheus.',
     )
+    spillover_allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Spill-over targets of Kubernetes routes that may be loopback, link-local "
+        "or private: host names, or CIDRs their addresses must be in (the platform admin's; "
+        "any other such baseURL is refused, `servefleet.gateway.spill_guard`).",
+    )
 
     @model_validator(mode="after")
     def _references(self) -> GatewayConfig:
@@ -233,9 +271,17 @@ class GatewayConfig(ConfigModel):
         names = [d.name for d in self.deployments]
         if len(set(names)) != len(names):
             raise ValueError("deployments: duplicate names")
-        models = [d.model for d in self.deployments]
-        if len(set(models)) != len(models):
-            raise ValueError("deployments: two deployments serve the same model name")
+        # A model name is what a tenant asks for: unique among the deployments it reaches
+        # (two namespaces' routes may each serve "llama" to their own tenants).
+        reached: dict[tuple[str, str], str] = {}
+        for deployment in self.deployments:
+            for access in deployment.tenants:
+                other = reached.setdefault((access.name, deployment.model), deployment.name)
+                if other != deployment.name:
+                    raise ValueError(
+                        f"deployments {other} and {deployment.name}: two deployments serve the "
+                        f"same model name {deployment.model} to tenant {access.name}"
+                    )
         tenants = {t.name for t in self.tenants}
         if len(tenants) != len(self.tenants):
             raise ValueError("tenants: duplicate names")
@@ -246,129 +292,3 @@ class GatewayConfig(ConfigModel):
                         f"deployment {deployment.name}: tenant {access.name} is not in tenants"
                     )
         return self
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-class KeySource(Protocol):
-    """Turns Secret references into what the gateway config may hold."""
-
-    def tenant_key(self, ref: SecretKeyRef) -> ApiKeyRef: ...
-
-    def secret_value(self, ref: SecretKeyRef) -> SecretValueRef: ...
-
-
-class MountedSecretKeys:
-    """Kubernetes: Secrets are mounted at `<mount_dir>/<secret name>/<key>` in the gateway pod."""
-
-    def __init__(self, mount_dir: str) -> None:
-        self.mount_dir = mount_dir.rstrip("/")
-
-    def path(self, ref: SecretKeyRef) -> str:
-        return f"{self.mount_dir}/{ref.name}/{ref.key}"
-
-    def tenant_key(self, ref: SecretKeyRef) -> ApiKeyRef:
-        return ApiKeyRef(source=SecretValueRef(file=self.path(ref)))
-
-    def secret_value(self, ref: SecretKeyRef) -> SecretValueRef:
-        return SecretValueRef(file=self.path(ref))
-
-
-class ResolvedSecretKeys:
-    """Local mode: secret values resolved now (env or file); tenant keys kept as hashes only."""
-
-    def __init__(self, resolve: Callable[[SecretKeyRef], str | None]) -> None:
-        self._resolve = resolve
-
-    def _value(self, ref: SecretKeyRef) -> str:
-        value = self._resolve(ref)
-        if value is None:
-            raise ValueError(f"secret {ref.name}/{ref.key} is not available")
-        return value
-
-    def tenant_key(self, ref: SecretKeyRef) -> ApiKeyRef:
-        return ApiKeyRef(sha256=hash_api_key(self._value(ref)))
-
-    def secret_value(self, ref: SecretKeyRef) -> SecretValueRef:
-        return SecretValueRef(value=SecretStr(self._value(ref)))
-
-
-def render_gateway_config(
-    deployments: list[LLMDeployment],
-    endpoints: Mapping[str, list[str]],
-    key_source: KeySource,
-    *,
-    services: Mapping[str, ServiceRef] | None = None,
-    engine_keys: Mapping[str, SecretKeyRef] | None = None,
-    host: str = "0.0.0.0",
-    port: int = 8080,
-    redis: RedisConfig | None = None,
-) -> GatewayConfig:
-    """The gateway config for a set of LLMDeployments.
-
-    `endpoints` maps a deployment name to static replica URLs (local mode); `services` maps it
-    to the headless Service to watch (Kubernetes) and `engine_keys` to the Secret key its
-    engine pods require (Kubernetes; local engines are open). A tenant listed in several
-    deployments must have the same key and tenant-wide limits in each (they are one tenant).
-    """
-    tenants: dict[str, GatewayTenant] = {}
-    rendered: list[GatewayDeployment] = []
-    for dep in deployments:
-        access = [_merge_tenant(tenants, tenant, key_source) for tenant in dep.spec.tenants]
-        spill = dep.spec.spillover
-        enabled_spill = spill if spill is not None and spill.enabled else None
-        spill_ref = None if enabled_spill is None else enabled_spill.api_key_secret_ref
-        engine_key_ref = (engine_keys or {}).get(dep.name)
-        rendered.append(
-            GatewayDeployment(
-                name=dep.name,
-                model=dep.spec.model.name,
-                endpoints=list(endpoints.get(dep.name, [])),
-                service=(services or {}).get(dep.name),
-                block_size=dep.spec.engine.block_size,
-                ready_path=engine_adapter(dep.spec.engine.kind).ready_path,
-                exact_continuation=dep.spec.engine.kind == "servefleet",
-                # Built-in models ship with the gateway's image too; other sources do not.
-                tokenizer=dep.spec.model.source.builtin,
-                pool=dep.spec.pool,
-                admission=dep.spec.admission,
-                tenants=access,
-                spillover=enabled_spill,
-                spillover_api_key=_secret_value(key_source, spill_ref),
-                engine_api_key=_secret_value(key_source, engine_key_ref),
-            )
-        )
-    return GatewayConfig(
-        host=host,
-        port=port,
-        redis=redis,
-        tenants=list(tenants.values()),
-        deployments=rendered,
-    )
-
-
-def _merge_tenant(
-    tenants: dict[str, GatewayTenant], tenant: TenantSpec, key_source: KeySource
-) -> TenantAccess:
-    """Adds a deployment's tenant to `tenants` (one entry per name, keys merged) and returns
-    its access to that deployment."""
-    key = key_source.tenant_key(tenant.api_key_secret_ref)
-    known = tenants.get(tenant.name)
-    if known is None:
-        tenants[tenant.name] = GatewayTenant(name=tenant.name, api_keys=[key], limits=tenant.limits)
-    else:
-        if known.limits != tenant.limits:
-            raise ValueError(f"tenant {tenant.name}: tenant-wide limits differ between deployments")
-        if key not in known.api_keys:
-            known.api_keys.append(key)
-    return TenantAccess(
-        name=tenant.name,
-        traffic_class=tenant.traffic_class,
-        weight=tenant.weight,
-        model_limits=tenant.model_limits,
-    )
-
-
-def _secret_value(key_source: KeySource, ref: SecretKeyRef | None) -> SecretValueRef | None:
-    return None if ref is None else key_source.secret_value(ref)

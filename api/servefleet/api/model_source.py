@@ -13,7 +13,7 @@ import posixpath
 import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
 from servefleet.api.api_model import DNS_SUBDOMAIN, ApiModel, SecretKeyRef, cel_rule
@@ -24,6 +24,46 @@ DOWNLOADED_SOURCES = ("url", "huggingface", "s3")
 _ONE_OF = "model.source needs exactly one of builtin, pvc, url, huggingface, s3 or oci"
 _CACHE_NEEDS_DOWNLOAD = "model.cache applies only to the url, huggingface and s3 sources"
 
+# A path a pod mounts or reads must stay where it is put: no `..` segment may climb out of
+# the volume, the image or the node folder. Checked twice, like every rule (a CEL rule on
+# the field, so `kubectl apply` refuses it; a pydantic validator), with the same message.
+_CLIMBS = "(^|/)[.][.](/|$)"
+PATH_MAX_LENGTH = 500
+
+
+def _climbs(path: str) -> bool:
+    return ".." in path.split("/")
+
+
+def relative_path_rule(field: str) -> JsonDict:
+    """The CEL rule of a path relative to a volume's root."""
+    return {
+        "x-kubernetes-validations": [
+            cel_rule(f"!self.startsWith('/') && !self.matches('{_CLIMBS}')", _relative(field))
+        ]
+    }
+
+
+def _relative(field: str) -> str:
+    return f"{field} must be a path inside its volume: relative, without '..' segments"
+
+
+def _check_relative(value: str, field: str) -> str:
+    if value.startswith("/") or _climbs(value):
+        raise ValueError(_relative(field))
+    return value
+
+
+def _no_climbing(field: str) -> str:
+    return f"{field} must not contain '..' segments"
+
+
+def no_climbing_rule(field: str) -> JsonDict:
+    """The CEL rule of a value that becomes a path somewhere (an object key, a revision)."""
+    return {
+        "x-kubernetes-validations": [cel_rule(f"!self.matches('{_CLIMBS}')", _no_climbing(field))]
+    }
+
 
 class PvcModelSource(ApiModel):
     """A Hugging Face model folder (config.json, tokenizer, safetensors) on a volume."""
@@ -33,9 +73,16 @@ class PvcModelSource(ApiModel):
     )
     path: str = Field(
         default="",
-        description="Folder of the model inside the volume, relative to its root ('' = the root).",
-        pattern=r"^[^/].*$|^$",
+        description="Folder of the model inside the volume, relative to its root ('' = the "
+        "root); no '..' segments.",
+        max_length=PATH_MAX_LENGTH,
+        json_schema_extra=relative_path_rule("model.source.pvc.path"),
     )
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, value: str) -> str:
+        return _check_relative(value, "model.source.pvc.path")
 
 
 class HuggingFaceSource(ApiModel):
@@ -52,6 +99,7 @@ class HuggingFaceSource(ApiModel):
         "to be sure every replica serves the same weights.",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
         max_length=200,
+        json_schema_extra=no_climbing_rule("model.source.huggingface.revision"),
     )
     token_secret_ref: SecretKeyRef | None = Field(
         default=None, description="Secret key holding a Hub token (gated or private repos)."
@@ -69,6 +117,13 @@ class HuggingFaceSource(ApiModel):
         max_length=500,
     )
 
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, value: str) -> str:
+        if _climbs(value):
+            raise ValueError(_no_climbing("model.source.huggingface.revision"))
+        return value
+
 
 class S3Source(ApiModel):
     """An object or a folder (prefix) in an S3-compatible bucket (AWS, MinIO, Ceph, GCS)."""
@@ -78,6 +133,7 @@ class S3Source(ApiModel):
         "in '/') for a model folder.",
         pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$",
         max_length=1000,
+        json_schema_extra=no_climbing_rule("model.source.s3.url"),
     )
     endpoint: str | None = Field(
         default=None,
@@ -95,6 +151,13 @@ class S3Source(ApiModel):
         pattern=DNS_SUBDOMAIN,
         max_length=253,
     )
+
+    @field_validator("url")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        if _climbs(value):
+            raise ValueError(_no_climbing("model.source.s3.url"))
+        return value
 
     @property
     def bucket(self) -> str:
@@ -125,9 +188,16 @@ class OciImageSource(ApiModel):
     )
     path: str = Field(
         default="",
-        description="Model folder or file inside the image, relative to its root ('' = root).",
-        pattern=r"^[^/].*$|^$",
+        description="Model folder or file inside the image, relative to its root ('' = root); "
+        "no '..' segments.",
+        max_length=PATH_MAX_LENGTH,
+        json_schema_extra=relative_path_rule("model.source.oci.path"),
     )
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, value: str) -> str:
+        return _check_relative(value, "model.source.oci.path")
 
 
 class ModelSource(ApiModel):
@@ -155,6 +225,8 @@ class ModelSource(ApiModel):
         default=None,
         description="http(s) URL of a weights file (e.g. GGUF), fetched before the engine starts.",
         pattern=r"^https?://.+",
+        max_length=2000,
+        json_schema_extra=no_climbing_rule("model.source.url"),
     )
     huggingface: HuggingFaceSource | None = Field(
         default=None, description="A Hugging Face Hub repository, fetched before the engine."
@@ -165,6 +237,13 @@ class ModelSource(ApiModel):
     oci: OciImageSource | None = Field(
         default=None, description="An OCI image mounted as a volume (ImageVolume feature)."
     )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and _climbs(value):
+            raise ValueError(_no_climbing("model.source.url"))
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelSource:
@@ -231,14 +310,33 @@ class PvcModelCache(ApiModel):
     )
 
 
+HOST_PATH_MESSAGE = "model.cache.hostPath.path must be an absolute folder without '..' segments"
+
+
 class HostPathModelCache(ApiModel):
-    """A folder on each node: replicas on the same node (and restarts) share it."""
+    """A folder on each node: replicas on the same node (and restarts) share it.
+
+    Only under a folder the platform admin allows (the operator's --allowed-host-path-prefix;
+    none by default): a deployment elsewhere is refused with a condition and an Event."""
 
     path: str = Field(
-        description="Absolute folder on the node, writable by the pod's user.",
+        description="Absolute folder on the node, under a prefix the platform admin allows "
+        "(operator.allowedHostPathPrefixes; none by default); no '..' segments.",
         pattern=r"^/.+",
-        max_length=500,
+        max_length=PATH_MAX_LENGTH,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel_rule(f"self.startsWith('/') && !self.matches('{_CLIMBS}')", HOST_PATH_MESSAGE)
+            ]
+        },
     )
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/") or _climbs(value):
+            raise ValueError(HOST_PATH_MESSAGE)
+        return value
 
 
 class ModelCache(ApiModel):

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from servefleet.api import request_caps as caps
 from servefleet.api.openai_messages import ChatMessage, StrictModel
 
 # Fields outside OpenAI's API that we honour (vLLM's names and meanings).
@@ -50,7 +51,11 @@ REFUSED_FIELDS: dict[str, str] = {
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 16
 
-Priority = int | Literal["interactive", "batch"]
+# A rank (lower runs first), bounded so no value can overflow or dominate an ordering.
+Priority = (
+    Annotated[int, Field(ge=-caps.PRIORITY_BOUND, le=caps.PRIORITY_BOUND)]
+    | Literal["interactive", "batch"]
+)
 
 
 class _RefusesKnownFields(StrictModel):
@@ -79,6 +84,12 @@ class JsonSchemaFormat(StrictModel):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        caps.check_schema(value)
+        return value
 
 
 class TextResponseFormat(StrictModel):
@@ -175,10 +186,27 @@ class SamplingRequest(_RefusesKnownFields):
         if len(value) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries")
         for key, bias in value.items():
-            if not key.isascii() or not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids; {key!r} is not one")
+            if not key.isascii() or not key.isdigit() or len(key) > caps.MAX_TOKEN_ID_DIGITS:
+                shown = key if len(key) <= 24 else key[:20] + "..."
+                raise ValueError(f"logit_bias keys are token ids; {shown!r} is not one")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values lie in [-100, 100]; {key!r} has {bias}")
+        return value
+
+    @field_validator(
+        "guided_json", "guided_choice", "guided_regex", "guided_grammar", mode="before"
+    )
+    @classmethod
+    def _bounded_guide(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if name == "guided_json":
+            caps.check_schema(value)
+        elif name == "guided_choice":
+            caps.check_choices(value)
+        elif name == "guided_regex":
+            caps.check_text(value, caps.MAX_REGEX_BYTES, "regex")
+        else:
+            caps.check_text(value, caps.MAX_GRAMMAR_BYTES, "grammar")
         return value
 
     @model_validator(mode="after")
@@ -222,6 +250,12 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Any = None
     verbosity: Any = None
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _bounded_tools(cls, value: Any) -> Any:
+        caps.check_tools(value)
+        return value
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -237,6 +271,9 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 def _non_empty_input(value: Any, what: str) -> Any:
     if isinstance(value, list) and (not value or any(isinstance(v, list) and not v for v in value)):
         raise ValueError(f"{what} must not be empty")
+    many = isinstance(value, list) and len(value) > caps.MAX_PROMPTS
+    if many and not isinstance(value[0], int):  # token ids of one prompt are not prompts
+        raise ValueError(f"{what} takes at most {caps.MAX_PROMPTS} items; got {len(value)}")
     return value
 
 

@@ -1,17 +1,19 @@
 """Carry out a decision: the scale subresource on Kubernetes, or a local supervisor.
 
 Both actuators get the whole decision so they can also say why (an Event) and steer which
-replica goes (pod-deletion-cost on Kubernetes, drain that process locally).
+replica goes (on Kubernetes, the ranking goes to `status.podDeletionCosts`, which the operator
+copies to the pods' pod-deletion-cost before it scales the engine Deployment: the autoscaler
+never writes pods; locally, that process is drained).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from servefleet.api.conventions import FIELD_MANAGER_AUTOSCALER, POD_DELETION_COST
+from servefleet.api.conventions import FIELD_MANAGER_AUTOSCALER
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND
 from servefleet.kube import KubeClient
-from servefleet.kube.resources import LLM_DEPLOYMENTS, PODS
+from servefleet.kube.resources import LLM_DEPLOYMENTS
 
 from .policy import Decision
 from .signals import Observation
@@ -27,8 +29,10 @@ class Actuator(Protocol):
 class KubernetesActuator:
     """Writes `spec.replicas` of the LLMDeployment through its scale subresource.
 
-    Before a scale-down every live pod gets a deletion cost ranked by drain cost, the victim
-    lowest, so the ReplicaSet controller removes the replica the policy chose.
+    Before a scale-down every live pod is ranked by drain cost, the victim lowest, in
+    `status.podDeletionCosts`; the operator writes the ranks to the pods' deletion cost before
+    it applies the lower replica count (it reconciles the scale written after this status), so
+    the ReplicaSet controller removes the replica the policy chose.
     """
 
     def __init__(self, kube: KubeClient, namespace: str) -> None:
@@ -45,11 +49,14 @@ class KubernetesActuator:
             costs = pod_deletion_costs(observation.replicas)
             if decision.victim is not None:
                 costs[decision.victim] = -1
-            for pod, cost in costs.items():
-                annotation = {"metadata": {"annotations": {POD_DELETION_COST: str(cost)}}}
-                await self._kube.patch(
-                    PODS, self._namespace, pod, annotation, FIELD_MANAGER_AUTOSCALER
-                )
+            ranking = [{"pod": pod, "cost": cost} for pod, cost in sorted(costs.items())]
+            await self._kube.patch_status(
+                LLM_DEPLOYMENTS,
+                self._namespace,
+                deployment,
+                {"status": {"podDeletionCosts": ranking}},
+                FIELD_MANAGER_AUTOSCALER,
+            )
         await self._kube.set_scale(
             LLM_DEPLOYMENTS, self._namespace, deployment, decision.desired, FIELD_MANAGER_AUTOSCALER
         )

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from servefleet.api.conventions import ENGINE_PORT_NAME, FIELD_MANAGER_AUTOSCALER
+from servefleet.api.conventions import ENGINE_PORT_NAME, FIELD_MANAGER_AUTOSCALER, route_scoped
 from servefleet.api.engines import ENGINE_ADAPTERS
 from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.llmdeployment import LLMDeployment
@@ -68,6 +68,12 @@ def replica_from_pod(pod: dict[str, Any]) -> ReplicaTarget | None:
             if declared.get("name") == ENGINE_PORT_NAME:
                 port = int(declared["containerPort"])
     return ReplicaTarget(name=meta["name"], base_url=f"http://{ip}:{port}", state=state)
+
+
+def gateway_name(dep: LLMDeployment) -> str:
+    """The deployment's name in the gateway's stats and metrics (`<namespace>/<name>`: routes
+    are scoped to their namespace); the autoscaler's own series use it too, so alerts join."""
+    return route_scoped(dep.namespace, dep.name)
 
 
 class ClusterAutoscaler:
@@ -121,7 +127,7 @@ class ClusterAutoscaler:
             scaler = self._scaler(dep, stats)
             await scaler.tick(time.monotonic())
             if stats is not None:
-                await self._report_queue_depth(dep, stats.get(dep.name))
+                await self._report_queue_depth(dep, stats.get(gateway_name(dep)))
         for gone in set(self._scalers) - seen:
             del self._scalers[gone]
 
@@ -153,7 +159,7 @@ class ClusterAutoscaler:
             replicas = [r for r in map(replica_from_pod, pods) if r is not None]
             return await observe_deployment(
                 client=self._http,
-                gateway=stats.get(name) if stats is not None else None,
+                gateway=stats.get(gateway_name(dep)) if stats is not None else None,
                 gateway_known=stats is not None,
                 replicas=replicas,
                 engine_kind=spec.engine.kind,
@@ -162,7 +168,12 @@ class ClusterAutoscaler:
 
         if scaler is None:
             scaler = DeploymentAutoscaler(
-                name, targets_from_spec(spec), observe, self._actuator(namespace), self._metrics
+                gateway_name(dep),
+                targets_from_spec(spec),
+                observe,
+                self._actuator(namespace),
+                self._metrics,
+                object_name=name,
             )
             self._scalers[key] = scaler
         else:

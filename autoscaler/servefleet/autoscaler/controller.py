@@ -29,8 +29,10 @@ class DeploymentAutoscaler:
         observe: Observe,
         actuator: Actuator,
         metrics: AutoscalerMetrics,
+        object_name: str | None = None,
     ) -> None:
-        self.name = name
+        self.name = name  # in metrics and logs
+        self.object_name = object_name or name  # what the actuator scales
         self.targets = targets
         self._observe = observe
         self._actuator = actuator
@@ -68,7 +70,7 @@ class DeploymentAutoscaler:
             )
         self.last = decision
         try:
-            await self._actuator.apply(self.name, decision, observation)
+            await self._actuator.apply(self.object_name, decision, observation)
         except Exception:
             log.exception("autoscaler %s: actuate failed", self.name)
             self._metrics.errors.labels(self.name, "actuate").inc()

@@ -26,6 +26,7 @@ from servefleet.api.gateway_config import (
     GatewayTenant,
     RedisConfig,
     RoutingConfig,
+    SecretValueRef,
     TenantAccess,
     hash_api_key,
 )
@@ -36,6 +37,8 @@ MODEL = next(iter(BUILTIN_MODELS))  # the real model every "serves a model" clai
 DEPLOYMENT = "faults"
 TENANTS = ("alpha", "beta")  # generous limits, kept in Redis
 CAPPED_TENANT = "gamma"  # also a cap on requests in flight, shared by the gateways
+# The gateways' internal port (metrics, stats, replica lists) answers only this Bearer key.
+INTERNAL_KEY = "sk-internal-fault-suite"
 # Small engines that share two cores: one thread each, a few sequences, a small KV cache.
 ENGINE_ARGS = ["--threads", "1", "--kv-cache-memory", "128MiB", "--drain-timeout", "30"]
 
@@ -46,6 +49,10 @@ class StackError(RuntimeError):
 
 def api_key(tenant: str) -> str:
     return f"key-{tenant}"
+
+
+def internal_headers() -> dict[str, str]:
+    return {"authorization": f"Bearer {INTERNAL_KEY}"}
 
 
 @dataclass
@@ -182,7 +189,8 @@ class Stack:
         for gateway in self.gateways:
             if gateway.alive():
                 url = f"{gateway.internal_url}/internal/deployments/{DEPLOYMENT}/replicas"
-                httpx.post(url, json=update, timeout=10).raise_for_status()
+                response = httpx.post(url, json=update, headers=internal_headers(), timeout=10)
+                response.raise_for_status()
 
     def _gateway_part(self, index: int, config: Path) -> Part:
         port, internal = free_port(), free_port()
@@ -220,12 +228,15 @@ class Stack:
             tenants=[TenantAccess(name=t) for t in (*TENANTS, CAPPED_TENANT)],
             upstream_timeout_seconds=120,
         )
+        key_file = self.workdir / "internal-key"
+        key_file.write_text(INTERNAL_KEY)
         return GatewayConfig(
             host="127.0.0.1",
             redis=RedisConfig(url=self.redis.url, gateway_replicas=self.shape.gateways),
             tenants=tenants,
             deployments=[deployment],
             routing=RoutingConfig(probe_interval_seconds=1.0),
+            internal_api_key=SecretValueRef(file=str(key_file)),
         )
 
     def restart_redis(self) -> None:
@@ -269,13 +280,20 @@ def wait_for_replicas(gateway: Part, count: int, deadline: float) -> None:
 
 
 def deployment_stats(gateway: Part) -> dict[str, Any]:
-    body = httpx.get(gateway.internal_url + "/internal/deployments", timeout=10).json()
+    url = gateway.internal_url + "/internal/deployments"
+    body = httpx.get(url, headers=internal_headers(), timeout=10).json()
     return next((d for d in body if d["name"] == DEPLOYMENT), {})
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a /metrics page, keyed by (name, sorted labels)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+def scrape(
+    url: str, headers: dict[str, str] | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics page, keyed by (name, sorted labels); sent with the fault
+    stack's internal key unless `headers` say otherwise (engines' /metrics ignore it)."""
+    sent = internal_headers() if headers is None else headers
+    response = httpx.get(url + "/metrics", headers=sent, timeout=10)
+    response.raise_for_status()
+    text = response.text
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -35,6 +35,50 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{- /*
+The namespaces whose LLMDeployments the operator reconciles, the autoscaler scales and the
+gateway routes, as a YAML list; the chart's Roles are bound in each. Empty (every namespace)
+only with rbac.clusterWide; otherwise operator.watchNamespaces, else the release namespace.
+*/ -}}
+{{- define "servefleet.watchNamespaces" -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- toYaml .Values.operator.watchNamespaces -}}
+{{- else if .Values.rbac.clusterWide -}}
+[]
+{{- else -}}
+{{- toYaml (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /*
+A random value kept across upgrades: the one already in the Secret when there is one
+(helm's lookup; `helm template` has no cluster, so it renders a fresh one), base64.
+Arguments: root, name (the Secret), key.
+*/ -}}
+{{- define "servefleet.generatedValue" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name -}}
+{{- $data := (and $existing $existing.data) | default dict -}}
+{{- if hasKey $data .key -}}
+{{- index $data .key -}}
+{{- else -}}
+{{- randAlphaNum 48 | b64enc -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The Secret holding Redis' password (key `password`), or "" when there is none. */ -}}
+{{- define "servefleet.redisPasswordSecret" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "%s-redis" (include "servefleet.fullname" .) -}}
+{{- else -}}
+{{- .Values.redis.passwordSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* Where the chart's generated keys are mounted in its pods. */ -}}
+{{- define "servefleet.internalKeyFile" -}}/etc/servefleet/internal/internal-api-key{{- end -}}
+{{- define "servefleet.routeKeyFile" -}}/etc/servefleet/route-signing/route-signing-key{{- end -}}
+{{- define "servefleet.redisPasswordFile" -}}/etc/servefleet/redis/password{{- end -}}
+
 {{- define "servefleet.gatewayURL" -}}
 {{- printf "http://%s-gateway.%s.svc:%v" (include "servefleet.fullname" .) .Release.Namespace .Values.gateway.port -}}
 {{- end -}}
@@ -95,7 +139,14 @@ would allow N times every limit: refuse that rather than render it.
 (label servefleet.io/gateway-route=true). */ -}}
 {{- $config := dict "host" "0.0.0.0" "port" .Values.gateway.port }}
 {{- with include "servefleet.redisURL" . }}
-{{- $_ := set $config "redis" (dict "url" . "gateway_replicas" $.Values.gateway.replicas) }}
+{{- $redis := dict "url" . "gateway_replicas" $.Values.gateway.replicas }}
+{{- if include "servefleet.redisPasswordSecret" $ }}
+{{- $_ := set $redis "password" (dict "file" (include "servefleet.redisPasswordFile" $)) }}
+{{- end }}
+{{- $_ := set $config "redis" $redis }}
+{{- end }}
+{{- with .Values.gateway.spilloverAllowedHosts }}
+{{- $_ := set $config "spillover_allowed_hosts" . }}
 {{- end }}
 {{- toYaml (mergeOverwrite $config (deepCopy .Values.gateway.config)) }}
 {{- end -}}

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
+from servefleet.api.conventions import INTERNAL_API_KEY_ENV
 from servefleet.cli.logs import add_logging_arguments, setup_logging
 
 
@@ -31,10 +36,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="http://servefleet-gateway:8090",
         help="one gateway's internal base URL (its internal port)",
     )
-    a("--gateway-key-file", default=None, help="bearer key for the gateway's internal API")
+    a(
+        "--internal-api-key-file",
+        "--gateway-key-file",  # its former name
+        dest="internal_api_key_file",
+        default=None,
+        metavar="PATH",
+        help="file holding the gateway's internal API key, sent as a Bearer token when reading "
+        f"/internal/deployments (default: ${INTERNAL_API_KEY_ENV}); required",
+    )
     a("--interval", type=float, default=5.0, help="seconds between decisions")
     a("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0: off)")
     add_logging_arguments(parser)
+
+
+@dataclass(frozen=True)
+class KeyProblem:
+    message: str
+
+
+def internal_api_key(path: str | None, environ: Mapping[str, str]) -> str | KeyProblem:
+    """The gateway's internal key from `path`, else the environment; every gateway asks for it."""
+    if path is not None:
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as exc:
+            return KeyProblem(f"cannot read --internal-api-key-file {path}: {exc.strerror}")
+    else:
+        key = environ.get(INTERNAL_API_KEY_ENV, "").strip()
+    if not key:
+        return KeyProblem(
+            "the gateway's internal API key is needed to read its queues: "
+            f"--internal-api-key-file PATH or ${INTERNAL_API_KEY_ENV}"
+        )
+    return key
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,15 +88,15 @@ async def _run(args: argparse.Namespace) -> int:
     from servefleet.kube import KubeAccess, KubeError
 
     log = logging.getLogger("servefleet.autoscaler")
+    key = internal_api_key(args.internal_api_key_file, os.environ)
+    if isinstance(key, KeyProblem):
+        log.error("%s", key.message)
+        return 2
     try:
         kube = await KubeAccess(kubeconfig=args.kubeconfig, context=args.context).connect()
     except KubeError as exc:
         log.error("cannot reach the Kubernetes API: %s", exc)
         return 2
-    key = None
-    if args.gateway_key_file:
-        with open(args.gateway_key_file) as f:
-            key = f.read().strip()
     metrics = AutoscalerMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)

@@ -65,8 +65,8 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--api-key",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on every /v1 route; /health, /ready and "
-        f"/metrics stay open (default: ${API_KEY_ENV}, else no key)",
+        help=f"require `Authorization: Bearer KEY` on every path but /health, /ready, "
+        f"/metrics and /version (default: ${API_KEY_ENV}, else no key)",
     )
     a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="weights dtype")
     a("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -83,6 +83,13 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=120.0,
         help="seconds without progress before /health fails",
+    )
+    a(
+        "--prepare-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one request may spend in preparation (chat template, tokenizing, grammar "
+        "compile) before it is refused with 400 request_too_complex",
     )
 
 

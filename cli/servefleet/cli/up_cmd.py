@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("file", type=Path, help="YAML with one or more LLMDeployments (and optional Secrets)")
-    a("--host", default="127.0.0.1", help="address of the gateway and the engines")
+    a(
+        "--host",
+        default="127.0.0.1",
+        help="address of the gateway (the engines always listen on 127.0.0.1, behind it)",
+    )
     a("--port", type=int, default=8080, help="gateway port")
     a(
         "--secrets",
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("servefleet.up")
     from servefleet.api.manifests import ManifestError, load_llmdeployments
-    from servefleet.local.engine_command import LocalModeError, engine_command
+    from servefleet.local.engine_command import ENGINE_HOST, LocalModeError, engine_command
     from servefleet.local.plane import LocalControlPlane, LocalOptions
     from servefleet.local.tenants import MissingSecretError, resolve_local_tenants
 
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         deployments = load_llmdeployments(args.file)
         tenants = resolve_local_tenants(deployments, args.file, args.secrets)
         for dep in tenants.deployments:
-            engine_command(dep.spec, args.host, 0)  # reject what local mode cannot run, now
+            engine_command(dep.spec, ENGINE_HOST, 0)  # reject what local mode cannot run, now
     except (ManifestError, MissingSecretError, LocalModeError) as exc:
         log.error("%s", exc)
         return 2

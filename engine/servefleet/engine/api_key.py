@@ -1,8 +1,10 @@
-"""`--api-key`: every /v1 route needs `Authorization: Bearer KEY`, as in vLLM.
+"""`--api-key`: every path but the probes needs `Authorization: Bearer KEY`.
 
-Probes and scrapes (/health, /ready, /metrics) stay open: kubelet and Prometheus carry no
-key. Pure ASGI, so streamed responses pass through untouched; the comparison takes the same
-time whatever the key sent.
+Probes and scrapes (/health, /ready, /metrics) and /version stay open: kubelet and Prometheus
+carry no key. Everything else needs it, /tokenize, /detokenize and /openapi.json included:
+the engine sits behind the gateway, and nothing that reaches its port without the key may use
+it. Pure ASGI, so streamed responses pass through untouched; the comparison is on bytes (a
+header that is not ASCII is a 401, never an error) and takes the same time whatever was sent.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servefleet.api.openai_wire import error_body, send_json
 
-PROTECTED_PREFIX = "/v1"
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 
 _UNAUTHORIZED = json.dumps(
     error_body(
@@ -24,9 +26,9 @@ _UNAUTHORIZED = json.dumps(
 
 
 def is_protected(path: str, root_path: str = "") -> bool:
-    """True for /v1 and everything under it (behind an optional root path)."""
+    """True for every path but the open probes (behind an optional root path)."""
     rest = path.removeprefix(root_path) if root_path else path
-    return rest == PROTECTED_PREFIX or rest.startswith(PROTECTED_PREFIX + "/")
+    return rest not in OPEN_PATHS
 
 
 def bearer_matches(authorization: bytes | None, api_key: str) -> bool:

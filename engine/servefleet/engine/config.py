@@ -45,6 +45,12 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     drain_timeout: float = Field(default=30.0, ge=0)
     stall_timeout: float = Field(default=120.0, gt=0)
+    prepare_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds one request may spend being prepared (chat template, tokens, "
+        "grammar compile) before it is refused as too complex (400 request_too_complex).",
+    )
     decode_kernel: Literal["auto", "torch", "cpu-c", "triton"] = "auto"
     matmul: Literal["auto", "torch", "cpu-c"] = Field(
         default="auto", description="Projection matmuls: auto = C few-row kernels on CPU."
@@ -75,7 +81,8 @@ class EngineConfig(BaseModel):
     api_key: str | None = Field(
         default=None,
         repr=False,
-        description="Bearer key every /v1 route requires (None: open, as vLLM without --api-key).",
+        description="Bearer key every path but /health, /ready, /metrics and /version "
+        "requires (None: open, as vLLM without --api-key).",
     )
 
     speculative_config: SpeculativeConfig | None = Field(

@@ -3,7 +3,10 @@ and the OpenAPI document of them all (`servefleet.api.openapi_doc`).
 
 Shapes follow OpenAI (`GET /v1/models/{id}`, `POST /v1/embeddings`) and vLLM (`/version`,
 `/tokenize`, `/detokenize`), so clients written for either work unchanged. Bodies are the
-shared request models, checked like every other request (`request_checks`).
+shared request models, checked like every other request (`request_checks`), and bounded the
+same way (`preparation`): a text that cannot fit the context is refused before it is
+tokenized, at most `max_model_len` ids are detokenized, and big inputs are tokenized on the
+preparation workers, not on the event loop.
 """
 
 from __future__ import annotations
@@ -15,11 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
+from servefleet.api.openai_messages import content_text
 from servefleet.api.openai_requests import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from servefleet.api.openai_version import version_body
 from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
+from servefleet.api.request_caps import utf8_len
+from servefleet.engine.api_key import is_protected
 from servefleet.engine.embedder import embed
-from servefleet.engine.protocol import OpenAIError, usage
+from servefleet.engine.preparation import (
+    INLINE_PREPARE_BYTES,
+    check_fits,
+    check_ids_fit,
+    check_inputs_fit,
+)
+from servefleet.engine.prepare_pool import Budget
+from servefleet.engine.protocol import OpenAIError, new_id, usage
 from servefleet.engine.request_checks import admit, model_not_found, parse, prompt_ids
 from servefleet.text.messages import template_messages
 
@@ -52,7 +65,13 @@ def add_extra_routes(app: FastAPI, state: ServingState) -> None:
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse(request, TokenizeRequest)
         _check_model(state, body.model)
-        tokens = _tokenize(state, body)
+        size = _tokenize_bytes(state, body)
+        tokens = await state.preparer.run(
+            lambda budget: _tokenize(state, body, budget),
+            request_id=new_id("tokenize"),
+            param="prompt" if body.prompt is not None else "messages",
+            inline=size <= INLINE_PREPARE_BYTES,
+        )
         strs = [state.tokenizer.id_to_token(t) or "" for t in tokens]
         return {
             "count": len(tokens),
@@ -65,6 +84,7 @@ def add_extra_routes(app: FastAPI, state: ServingState) -> None:
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await parse(request, DetokenizeRequest)
         _check_model(state, body.model)
+        check_ids_fit(state, len(body.tokens), "tokens")
         vocab = state.tokenizer.vocab_size
         bad = [t for t in body.tokens if t >= vocab]
         if bad:
@@ -78,8 +98,8 @@ def add_extra_routes(app: FastAPI, state: ServingState) -> None:
 
 
 def _add_openapi_route(app: FastAPI, state: ServingState) -> None:
-    """The engine routes every documented path; /v1 needs the key only with --api-key."""
-    keyed = [p for p in OPERATIONS if p.startswith("/v1/")] if state.api_key else []
+    """The engine routes every documented path; with --api-key all but the probes need it."""
+    keyed = [p for p in OPERATIONS if is_protected(p)] if state.api_key else []
     document = openapi_document("servefleet engine", OPERATIONS, keyed)
 
     @app.get(OPENAPI_PATH)
@@ -92,9 +112,14 @@ def _add_embeddings_route(app: FastAPI, state: ServingState) -> None:
     async def embeddings(request: Request) -> dict[str, Any]:
         body = await parse(request, EmbeddingRequest)
         admit(state, body.model)
-        prompts = [prompt_ids(state, item, "input") for item in body.inputs()]
-        for ids in prompts:
-            _check_embedding_length(state, ids)
+        inputs = body.inputs()
+        size = check_inputs_fit(state, inputs, "input")
+        prompts = await state.preparer.run(
+            lambda budget: _embedding_ids(state, inputs, budget),
+            request_id=new_id("embd"),
+            param="input",
+            inline=size <= INLINE_PREPARE_BYTES,
+        )
         runner = state.engine.runner
         data = []
         for index, ids in enumerate(prompts):
@@ -111,16 +136,17 @@ def _add_embeddings_route(app: FastAPI, state: ServingState) -> None:
         }
 
 
-def _check_embedding_length(state: ServingState, ids: list[int]) -> None:
-    """An input is embedded whole, so it must fit the context (nothing is generated)."""
-    if len(ids) > state.max_model_len:
-        raise OpenAIError(
-            400,
-            f"This model's maximum context length is {state.max_model_len} tokens; an "
-            f"input has {len(ids)}.",
-            param="input",
-            code="context_length_exceeded",
-        )
+def _embedding_ids(
+    state: ServingState, inputs: list[str | list[int]], budget: Budget
+) -> list[list[int]]:
+    """Token ids of every input; each is embedded whole, so it must fit the context."""
+    prompts = []
+    for item in inputs:
+        ids = prompt_ids(state, item, "input")
+        budget.check("input", "tokenization")
+        check_ids_fit(state, len(ids), "input")
+        prompts.append(ids)
+    return prompts
 
 
 def _check_model(state: ServingState, model: str | None) -> None:
@@ -128,13 +154,27 @@ def _check_model(state: ServingState, model: str | None) -> None:
         raise model_not_found(model)
 
 
-def _tokenize(state: ServingState, body: TokenizeRequest) -> list[int]:
+def _tokenize_bytes(state: ServingState, body: TokenizeRequest) -> int:
+    """The text's size, refused when it cannot fit the context (nothing tokenizes it then)."""
+    if body.prompt is not None:
+        size = utf8_len(body.prompt)
+        check_fits(state, size, "prompt")
+        return size
+    assert body.messages is not None
+    size = sum(utf8_len(content_text(m.content)) for m in body.messages)
+    check_fits(state, size, "messages")
+    return size
+
+
+def _tokenize(state: ServingState, body: TokenizeRequest, budget: Budget) -> list[int]:
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return state.tokenizer.encode(body.prompt, add_special_tokens=add_special)
     assert body.messages is not None
     messages = template_messages([m.model_dump() for m in body.messages])
     text = state.render_prompt(messages, add_generation_prompt=body.add_generation_prompt)
+    budget.check("messages", "chat template")
+    check_fits(state, utf8_len(text), "messages")
     return state.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 

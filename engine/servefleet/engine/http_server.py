@@ -103,7 +103,7 @@ def start_http_server(config: EngineConfig, listener: socket.socket) -> EngineHt
         access_log=False,
         timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
         lifespan="off",
-        http=BoundedHeadProtocol,  # slow or huge request heads are cut
+        http=BoundedHeadProtocol,  # slow or huge request heads, and slow bodies, are cut
     )
     server = DrainingServer(uv_config, config.drain_timeout)
 

@@ -129,6 +129,7 @@ class Engine:
         self.in_step_since: float | None = None
         self.fatal_error: BaseException | None = None
         self.num_in_flight = 0  # requests submitted and not yet finished (asyncio side)
+        self.num_in_flight_seqs = 0  # their sequences (n per request)
         metrics.num_requests_waiting.set_function(lambda: len(self.scheduler.waiting))
         metrics.num_requests_running.set_function(lambda: len(self.scheduler.running))
         metrics.kv_cache_usage.set_function(lambda: self.scheduler.kv_cache.usage)
@@ -172,8 +173,10 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running, including those not yet seen by the loop."""
-        return max(len(self.scheduler.waiting), self.num_in_flight - len(self.scheduler.running))
+        """Sequences accepted but not yet running, including those not yet seen by the loop
+        (a request with n choices adds n: the queue bound counts what the scheduler holds)."""
+        running = len(self.scheduler.running)
+        return max(len(self.scheduler.waiting), self.num_in_flight_seqs - running)
 
     # ---- asyncio side -----------------------------------------------------------------------
     def generate(self, request: EngineRequest) -> AsyncIterator[list[SequenceOutput]]:
@@ -186,6 +189,7 @@ class Engine:
             raise EngineDeadError(str(self.fatal_error))
         sink = _RequestSink(asyncio.get_running_loop())
         self.num_in_flight += 1
+        self.num_in_flight_seqs += request.n
         self._inbox.put((request, sink))
         self._wakeup.set()
         return self._outputs(request, sink)
@@ -203,6 +207,7 @@ class Engine:
                 yield item
         finally:
             self.num_in_flight -= 1
+            self.num_in_flight_seqs -= request.n
             if remaining:
                 self.abort(request.request_id)
 

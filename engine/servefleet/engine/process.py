@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,6 +287,7 @@ def build_engine(
         num_kv_blocks=num_blocks,
         max_queue_depth=config.max_queue_depth,
         tool_call_parser=config.tool_call_parser,
+        prepare_timeout_s=config.prepare_timeout,
     )
     return BuiltEngine(engine, state, loaded, kv)
 
@@ -314,6 +316,13 @@ def load_and_warm(config: EngineConfig) -> tuple[BuiltEngine, float]:
     return built, time.monotonic() - t0
 
 
+def _warm_compiler(built: BuiltEngine) -> None:
+    try:
+        built.state.structured.warm_up()
+    except Exception as exc:  # the first constrained request will try again, and say why
+        log.warning("grammar compiler warm-up failed: %r", exc)
+
+
 def serve(config: EngineConfig, http_server: EngineHttpServer) -> int:
     """Engine loop on the main thread, HTTP server on a second one, until drained.
 
@@ -336,6 +345,10 @@ def serve(config: EngineConfig, http_server: EngineHttpServer) -> int:
         log.error("http server stopped during start-up")
         return 1
     built.state.ready = True
+    # The grammar compiler's processes start now, beside the loop, not at the first
+    # constrained request (their first start imports xgrammar and torch: seconds of CPU,
+    # which the model load, the cold start the autoscaler pays, does not share).
+    threading.Thread(target=_warm_compiler, args=(built,), daemon=True).start()
     cold = process_uptime()
     built.engine.metrics.cold_start.set(cold)
     log.info(

@@ -1,9 +1,9 @@
 """Everything a request must pass before it reaches the engine loop.
 
 Bounded body → shared request model (`servefleet.api.openai_requests`) → admission (ready,
-model name, health, queue depth) → prompt token ids within the vocabulary → context length and
-KV-cache capacity. Each failure is an `OpenAIError` naming the parameter, so the engine only
-gets work it can finish.
+model name, health, room in the queue for every sequence the request adds) → prompt token ids
+within the vocabulary → context length and KV-cache capacity. Each failure is an
+`OpenAIError` naming the parameter, so the engine only gets work it can finish.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from servefleet.api.openai_requests import SamplingRequest
 from servefleet.api.openai_wire import MAX_BODY_BYTES, RequestRejected, parse_request
@@ -34,11 +35,16 @@ async def read_body(request: Request) -> bytes:
         raise too_large
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            parts.append(chunk)
+    except ClientDisconnect:  # gone, or cut for a body too slow (`api.http_protocol`)
+        raise OpenAIError(
+            499, "the client left before its request body arrived", type="client_closed"
+        ) from None
     return b"".join(parts)
 
 
@@ -52,8 +58,10 @@ async def parse(request: Request, model: type[BodyT]) -> BodyT:
     return body
 
 
-def admit(state: ServingState, model: str | None) -> None:
-    """Ready, the right model, healthy and room in the queue; else 503/404 at once."""
+def admit(state: ServingState, model: str | None, sequences: int = 1, param: str = "n") -> None:
+    """Ready, the right model, healthy and room in the queue for `sequences` more (n per
+    prompt); else 503/404 at once, and a 400 naming `param` for a request bigger than the
+    whole queue (300 prompts x n=16 once queued 4,788 sequences past a depth of 256)."""
     if state.draining or not state.ready:
         raise OpenAIError(
             503,
@@ -66,7 +74,21 @@ def admit(state: ServingState, model: str | None) -> None:
     ok, reason = state.engine.is_healthy()
     if not ok:
         raise OpenAIError(503, reason, type="service_unavailable", headers={"Retry-After": "5"})
-    if state.engine.num_waiting >= state.max_queue_depth:
+    bound = max(1, state.max_queue_depth)
+    if sequences > bound:
+        raise OpenAIError(
+            400,
+            f"this request adds {sequences} sequences (n per prompt); the engine queues at "
+            f"most {bound}: send fewer prompts or a lower n",
+            param=param,
+            code="too_many_sequences",
+        )
+    check_room(state, sequences)
+
+
+def check_room(state: ServingState, sequences: int = 1) -> None:
+    """503 + Retry-After when the queue has no room for `sequences` more."""
+    if state.engine.num_waiting + sequences > state.max_queue_depth:
         raise OpenAIError(
             503,
             f"the engine's queue is full ({state.max_queue_depth} waiting); retry later",

@@ -1,20 +1,22 @@
 """FastAPI routes: generation (chat, completions), health, readiness and metrics.
 
 Every request passes `request_checks` before it reaches the engine (bounded body, the shared
-request models, model name, context length, cache capacity, queue depth), so the engine only
-gets work it can finish; anything else is answered at once with an OpenAI-style error. The
-other endpoints (one model, /version, /tokenize, /detokenize, embeddings) are `extra_routes`.
+request models, model name, queue room for its sequences) and `preparation` (context length,
+template, tokens, grammar: bounded, and off the event loop when big), so the engine only gets
+work it can finish; anything else is answered at once with an OpenAI-style error. The other
+endpoints (one model, /version, /tokenize, /detokenize, embeddings) are `extra_routes`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,21 +28,20 @@ from servefleet.api.openai_wire import HeaderLimit
 from servefleet.engine.api_key import ApiKeyMiddleware
 from servefleet.engine.extra_routes import add_extra_routes, model_card
 from servefleet.engine.loop import Engine, EngineDeadError, EngineRequest, SequenceOutput
-from servefleet.engine.protocol import OpenAIError, new_id, priority_value, sampling_params
-from servefleet.engine.request_checks import (
-    admit,
-    check_lengths,
-    parse,
-    prompt_ids,
-    resume_ids,
+from servefleet.engine.preparation import (
+    Prepared,
+    check_chat,
+    check_completion,
+    prepare_chat,
+    prepare_completion,
 )
+from servefleet.engine.prepare_pool import Preparer
+from servefleet.engine.protocol import OpenAIError, new_id, priority_value, sampling_params
+from servefleet.engine.request_checks import admit, check_room, parse, resume_ids
 from servefleet.engine.responses import chat_response, completion_response, stream_response
 from servefleet.engine.structured.service import StructuredOutputs
 from servefleet.text.chat_template import ChatTemplate, ChatTemplateError
 from servefleet.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("servefleet.engine.server")
 
@@ -60,13 +61,15 @@ class ServingState:
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.time)
-    api_key: str | None = field(default=None, repr=False)  # --api-key: /v1 needs a bearer
+    api_key: str | None = field(default=None, repr=False)  # --api-key: all but probes need it
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
+    prepare_timeout_s: float = 10.0  # --prepare-timeout: one request's preparation budget
 
     def __post_init__(self) -> None:
         self.structured = StructuredOutputs(
             self.tokenizer, self.chat_template, self.tool_call_parser
         )
+        self.preparer = Preparer(self.prepare_timeout_s)
 
     def render_prompt(
         self,
@@ -138,8 +141,19 @@ def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
         return _error_response(OpenAIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIError(exc.status_code, str(exc.detail), type="not_found"))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """The router's own refusals: an unknown path (404), a known one asked with another
+        method (405, with the methods it takes in `Allow`)."""
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allow}"
+            return _error_response(
+                OpenAIError(405, message, code="method_not_allowed", headers={"Allow": allow})
+            )
+        code = "not_found" if exc.status_code == 404 else None
+        return _error_response(
+            OpenAIError(exc.status_code, str(exc.detail), type="not_found", code=code)
+        )
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -187,16 +201,17 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
-        admit(state, body.model)
-        prepared = state.structured.prepare_chat(body)  # tools, response_format, guided_*
-        prompt = state.render_prompt(
-            prepared.messages, add_generation_prompt=True, tools=prepared.tools
+        request_id = new_id("chatcmpl")
+        admit(state, body.model, body.n)
+        inline = check_chat(state, body)  # messages that cannot fit: refused before the template
+        prepared = await state.preparer.run(
+            lambda budget: prepare_chat(state, body, budget),
+            request_id=request_id,
+            param="messages",
+            inline=inline,
         )
-        ids = state.tokenizer.encode(prompt, add_special_tokens=False)
-        max_tokens = check_lengths(state, ids, body.requested_max_tokens, "messages")
-        engine_request = _engine_request(
-            state, body, ids, max_tokens, body.num_logprobs, "chatcmpl", prepared.compiled_grammar
-        )
+        check_room(state, body.n)  # the queue may have filled while this was prepared
+        (engine_request,) = _engine_requests(state, body, prepared, body.num_logprobs, request_id)
         if body.stream:
             return stream_response(state, [engine_request], body, chat=True)
         outputs = await _collect(request, state, [engine_request])
@@ -205,16 +220,18 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        admit(state, body.model)
-        requested = body.max_tokens if body.max_tokens is not None else 16
-        grammar = state.structured.prepare_completion(body)  # guided_*
-        engine_requests = []
-        for prompt in body.prompts():
-            ids = prompt_ids(state, prompt, "prompt")
-            max_tokens = check_lengths(state, ids, requested, "prompt")
-            engine_requests.append(
-                _engine_request(state, body, ids, max_tokens, body.logprobs, "cmpl", grammar)
-            )
+        request_id = new_id("cmpl")
+        sequences = body.n * len(body.prompts())
+        admit(state, body.model, sequences, "n" if len(body.prompts()) == 1 else "prompt")
+        inline = check_completion(state, body)  # prompts that cannot fit: refused untokenized
+        prepared = await state.preparer.run(
+            lambda budget: prepare_completion(state, body, budget),
+            request_id=request_id,
+            param="prompt",
+            inline=inline,
+        )
+        check_room(state, sequences)
+        engine_requests = _engine_requests(state, body, prepared, body.logprobs, request_id)
         if body.stream:
             return stream_response(state, engine_requests, body, chat=False)
         outputs = await _collect(request, state, engine_requests)
@@ -228,24 +245,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc
 
 
-def _engine_request(
+def _engine_requests(
     state: ServingState,
     body: SamplingRequest,
-    ids: list[int],
-    max_tokens: int,
+    prepared: Prepared,
     logprobs: int | None,
-    kind: str,
-    compiled_grammar: CompiledGrammar | None = None,
-) -> EngineRequest:
-    params = sampling_params(body, max_tokens, logprobs, state.tokenizer.vocab_size)
-    return EngineRequest(
-        request_id=new_id(kind),
-        prompt_token_ids=ids,
-        params=replace(params, compiled_grammar=compiled_grammar),
-        priority=priority_value(body),
-        n=body.n,
-        resume_token_ids=resume_ids(state, body, max_tokens),
-    )
+    request_id: str,
+) -> list[EngineRequest]:
+    """One engine request per prompt: the first keeps the request's id (its logs name it)."""
+    requests = []
+    for index, prompt in enumerate(prepared.prompts):
+        params = sampling_params(body, prompt.max_tokens, logprobs, state.tokenizer.vocab_size)
+        requests.append(
+            EngineRequest(
+                request_id=request_id if index == 0 else f"{request_id}-{index}",
+                prompt_token_ids=prompt.ids,
+                params=replace(params, compiled_grammar=prepared.grammar),
+                priority=priority_value(body),
+                n=body.n,
+                resume_token_ids=resume_ids(state, body, prompt.max_tokens),
+            )
+        )
+    return requests
 
 
 # ---- running a request ------------------------------------------------------------------------
@@ -276,14 +297,19 @@ async def _collect(
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not consumer.done():
+        left = not consumer.done()
+        if left:
             consumer.cancel()
             for engine_request in engine_requests:
                 state.engine.abort(engine_request.request_id)
+    if left:
+        # cancel() only asks: the task is done once it has run its cancellation (reading its
+        # result before that raised InvalidStateError, a traceback per disconnect).
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
+        raise OpenAIError(499, "client disconnected", type="client_closed")
     try:
         consumer.result()
     except EngineDeadError as exc:
         raise OpenAIError(500, str(exc), type="internal_error") from exc
-    except asyncio.CancelledError as exc:
-        raise OpenAIError(499, "client disconnected", type="client_closed") from exc
     return steps

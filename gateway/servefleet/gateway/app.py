@@ -24,12 +24,12 @@ from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.completion import CompletionHandler
-from servefleet.gateway.endpoints import ENDPOINTS, model_card_body
-from servefleet.gateway.errors import GatewayError
+from servefleet.gateway.endpoints import ENDPOINTS, model_card_body, tenant_document
+from servefleet.gateway.errors import GatewayError, method_not_allowed
 from servefleet.gateway.forward import Forwarder
 from servefleet.gateway.internal_api import InternalApp
 from servefleet.gateway.limits import Limiter
-from servefleet.gateway.limits_redis import FailoverLimiter
+from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.metrics import GatewayMetrics
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.pool_tasks import PoolTasks
@@ -52,11 +52,14 @@ INTERNAL_ERROR = GatewayError(
 
 # The tenant port's paths (/metrics is the internal port's); forwarded paths and models need a key.
 _KEYED_PATHS = [*ENDPOINTS, "/v1/models", "/v1/models/{model}"]
+_GET_PATHS = frozenset({"/v1/models", "/version", "/health", "/ready", OPENAPI_PATH})
 _OPENAPI = json.dumps(
-    openapi_document(
-        "servefleet gateway",
-        [*_KEYED_PATHS, "/version", "/health", "/ready", OPENAPI_PATH],
-        _KEYED_PATHS,
+    tenant_document(
+        openapi_document(
+            "servefleet gateway",
+            [*_KEYED_PATHS, "/version", "/health", "/ready", OPENAPI_PATH],
+            _KEYED_PATHS,
+        )
     )
 ).encode()
 
@@ -84,6 +87,8 @@ class Gateway:
         self._internal_key = (
             config.internal_api_key.read(environ) if config.internal_api_key else None
         )
+        if self._internal_key == "":
+            raise ValueError("internal_api_key is empty")
         self._upstream = UpstreamPool()
         self._completions = CompletionHandler(
             self.limiter,
@@ -262,5 +267,9 @@ class Gateway:
                 await respond(send, 200, b'{"status":"ready"}')
             else:
                 await respond(send, 503, b'{"status":"starting"}')
+        elif path in ENDPOINTS:
+            raise method_not_allowed(method, path, "POST")
+        elif path in _GET_PATHS or path.startswith("/v1/models/"):
+            raise method_not_allowed(method, path, "GET")
         else:
             raise GatewayError(404, f"Unknown path {method} {path}", code="unknown_url")

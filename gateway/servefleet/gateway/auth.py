@@ -19,12 +19,10 @@ class KeyRing:
 
     def tenant_for(self, authorization: str | None) -> str | None:
         """The tenant of an `Authorization: Bearer <key>` header, or None."""
-        if not authorization:
+        key = bearer_token(authorization)
+        if key is None:
             return None
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            return None
-        digest = hashlib.sha256(key.strip().encode()).digest()
+        digest = hashlib.sha256(key).digest()
         # A dict lookup on a digest leaks nothing useful about the key itself.
         return self._by_digest.get(digest)
 
@@ -41,8 +39,19 @@ class KeyRing:
         return tenant
 
 
-def bearer_matches(authorization: str | None, expected: str) -> bool:
+def bearer_token(authorization: str | None) -> bytes | None:
+    """The token of a Bearer header, as the bytes the client sent (headers are decoded as
+    latin-1, so encoding back gives them exactly); None when there is none."""
     if not authorization:
-        return False
+        return None
     scheme, _, key = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip(), expected)
+    token = key.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token.encode("latin-1", errors="replace")
+
+
+def bearer_matches(authorization: str | None, expected: str) -> bool:
+    """Constant-time comparison on bytes: a non-ASCII header is simply not the key."""
+    token = bearer_token(authorization)
+    return token is not None and hmac.compare_digest(token, expected.encode())

@@ -40,6 +40,8 @@ class Call:
     ttft_s: float | None = None
     completed: bool = False  # the whole answer reached the client
     splice: StreamSplice | None = None  # a stream that may be continued on another replica
+    request_id: str = ""  # the gateway's id, sent upstream and named in its log lines
+    timed_out: bool = False  # the last replica's answer stopped for `upstream_timeout_seconds`
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""

@@ -10,6 +10,7 @@ this handler only calls them in turn.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 
 from servefleet.gateway.access_log import AccessLog, recording
@@ -53,11 +54,12 @@ class CompletionHandler:
         self, table: RouteTable, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
     ) -> None:
         started = self._clock()
+        request_id = "req-" + secrets.token_hex(8)
         tenant = table.keys.require_tenant(header(scope, b"authorization"))
         raw = await read_body(receive)
         parsed, request = parse(raw, endpoint)
         route = route_for(table, tenant, request)
-        prompt_tokens, affinity_key = count_prompt(route, request, parsed)
+        prompt_tokens, affinity_key = await count_prompt(route, request, parsed)
         shape = shape_of(request)
         completion = shape.max_completion_tokens or route.pool.config.default_max_tokens
         call = Call(
@@ -68,10 +70,12 @@ class CompletionHandler:
             shape.stream,
             shape.wants_usage,
             prompt_tokens,
-            prompt_tokens + (completion * shape.n if shape.generates else 0),
+            # Every choice of every prompt may run to its max_tokens.
+            prompt_tokens + (completion * shape.choices if shape.generates else 0),
             affinity_key,
             started,
             [],
+            request_id=request_id,
         )
         with recording(self._access_log, call, send) as send:
             reservation: Reservation | None = None

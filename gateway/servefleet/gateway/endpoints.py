@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -23,9 +24,13 @@ from servefleet.api.openai_requests import (
 )
 from servefleet.api.openai_wire import RequestRejected, parse_request
 from servefleet.api.openapi_doc import OPERATIONS
-from servefleet.api.stream_resume import internal_fields_in
+from servefleet.api.stream_resume import INTERNAL_FIELDS, internal_fields_in
 from servefleet.gateway.errors import GatewayError, model_not_found
+from servefleet.gateway.prompt import PromptShape
 from servefleet.gateway.route_table import RouteTable, TenantRoute
+
+if TYPE_CHECKING:  # the tokenizer is optional and loaded lazily
+    from servefleet.gateway.token_counter import PromptTokenCounter
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,12 @@ ENDPOINTS: dict[str, Endpoint] = {
 }
 
 
+# Fields the gateway decides and sends itself: a tenant sending one gets a 400 naming it.
+# `priority` orders the engine's scheduler and its preemption: it follows the tenant's traffic
+# class (`forward`), never the tenant's say.
+GATEWAY_FIELDS: tuple[str, ...] = ("priority",)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestShape:
     """What the gateway acts on, read from a validated request."""
@@ -64,6 +75,12 @@ class RequestShape:
     max_completion_tokens: int | None = None  # per choice; None: the deployment's default
     generates: bool = False  # completion tokens are reserved
     n: int = 1
+    prompts: int = 1  # a completions request may send several, each answered n times
+
+    @property
+    def choices(self) -> int:
+        """Answers the engine generates: every prompt n times."""
+        return self.n * self.prompts
 
 
 def parse(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], BaseModel]:
@@ -76,17 +93,42 @@ def parse(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], BaseModel]:
         raise GatewayError(
             400, f"{internal[0]} is not supported by this server.", param=internal[0]
         )
+    for name in GATEWAY_FIELDS:
+        if name in parsed:
+            raise GatewayError(
+                400,
+                f"{name} is set by the gateway from your traffic class; do not send it.",
+                param=name,
+            )
     return parsed, request
 
 
+def tenant_document(document: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document as a tenant may use it: without the fields the gateway sets
+    itself (`GATEWAY_FIELDS`, `INTERNAL_FIELDS`; the schemas forbid unknown fields)."""
+    own = {*GATEWAY_FIELDS, *INTERNAL_FIELDS}
+    for schema in document["components"]["schemas"].values():
+        properties = schema.get("properties", {})
+        for name in properties.keys() & own:
+            del properties[name]
+        if "required" in schema:
+            schema["required"] = [r for r in schema["required"] if r not in own]
+    return document
+
+
 def shape_of(request: BaseModel) -> RequestShape:
+    prompts = 1
     if isinstance(request, ChatCompletionRequest):
         asked = request.requested_max_tokens
+    elif isinstance(request, CompletionRequest):
+        asked, prompts = request.max_tokens, len(request.prompts())
     elif isinstance(request, SamplingRequest):
         asked = request.max_tokens
     else:
         return RequestShape()
-    return RequestShape(request.stream, request.wants_usage_in_stream, asked, True, request.n)
+    return RequestShape(
+        request.stream, request.wants_usage_in_stream, asked, True, request.n, prompts
+    )
 
 
 def route_for(table: RouteTable, tenant: str, request: BaseModel) -> TenantRoute:
@@ -104,24 +146,48 @@ def route_for(table: RouteTable, tenant: str, request: BaseModel) -> TenantRoute
     return route
 
 
-def count_prompt(
+async def count_prompt(
     route: TenantRoute, request: BaseModel, parsed: dict[str, Any]
 ) -> tuple[int, int | None]:
-    """(prompt tokens, affinity key): exact with the model's tokenizer, else estimated."""
+    """(prompt tokens, affinity key): exact with the model's tokenizer, else estimated.
+
+    Exact counts run off the event loop (`token_counter`); a prompt whose length alone proves
+    it longer than the model's context is a 400 before anything tokenizes it."""
     counter = route.pool.token_counter
-    exact: int | None = None
+    text: Any
     if isinstance(request, ChatCompletionRequest):
-        shape = route.reader.chat(parsed["messages"])
-        if counter is not None:
-            exact = counter.chat(parsed["messages"])
+        text, param, chat = parsed["messages"], "messages", True
+        shape = route.reader.chat(text)
     elif isinstance(request, CompletionRequest | EmbeddingRequest):
-        prompt = request.prompt if isinstance(request, CompletionRequest) else request.input
-        shape = route.reader.completion(prompt)
-        if counter is not None:
-            exact = counter.completion(prompt)
+        completion = isinstance(request, CompletionRequest)
+        text = request.prompt if isinstance(request, CompletionRequest) else request.input
+        param, chat = ("prompt" if completion else "input"), False
+        shape = route.reader.completion(text)
     else:
         return 0, None
+    if counter is None:
+        return shape.estimated_tokens, shape.affinity_key
+    _check_context(route.pool.config.max_model_len or counter.context_length, counter, shape, param)
+    work = partial(counter.chat if chat else counter.completion, text)
+    exact = await counter.count(work, shape.total_chars)
     return (shape.estimated_tokens if exact is None else exact), shape.affinity_key
+
+
+def _check_context(
+    context: int | None, counter: PromptTokenCounter, shape: PromptShape, param: str
+) -> None:
+    """400 when the longest prompt's characters alone prove it cannot fit the context."""
+    if context is None:
+        return
+    least = counter.at_least(shape.chars)
+    if least > context:
+        raise GatewayError(
+            400,
+            f"This model's maximum context length is {context} tokens; your {param} has at "
+            f"least {least} tokens (from its length alone).",
+            code="context_length_exceeded",
+            param=param,
+        )
 
 
 def model_card_body(table: RouteTable, tenant: str, model: str) -> bytes:

@@ -62,3 +62,13 @@ def validation_error(exc: ValidationError) -> GatewayError:
         f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:5]
     )
     return GatewayError(400, f"Invalid request: {message}", param=param)
+
+
+def method_not_allowed(method: str, path: str, allowed: str) -> GatewayError:
+    """A known path asked with a method it does not take: 405 and the methods it does."""
+    return GatewayError(
+        405,
+        f"Method {method} is not allowed on {path}; use {allowed}.",
+        code="method_not_allowed",
+        headers={"allow": allowed},
+    )

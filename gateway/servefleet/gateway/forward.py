@@ -1,10 +1,13 @@
 """Send a request on: to the replica its lease names, or to the hosted API.
 
-A replica that cannot be reached, times out or fails (5xx) before a byte was relayed is
-ejected and the request moved once to another replica (`pool.reroute`); a 503 means draining,
-not failure, so the replica is only taken out of rotation. Everything after the status line is
-the relay's job. A client that leaves while the replica has not answered yet drops the upstream
-connection, which aborts the generation.
+A replica that cannot be reached or fails (5xx) before a byte was relayed is ejected and the
+request moved once to another replica (`pool.reroute`); a 503 means draining, not failure, so
+the replica is only taken out of rotation. A replica that times out is asked whether it is
+alive first (`poison`): if it still answers its probe the request is at fault, and it fails once
+with a 504 without touching the replica or any other. A 4xx is the request's own answer and is
+never sent anywhere else. Everything after the status line is the relay's job. A client that
+leaves while the replica has not answered yet drops the upstream connection, which aborts the
+generation.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
 from servefleet.gateway.errors import GatewayError
 from servefleet.gateway.limit_headers import retry_after
 from servefleet.gateway.metrics import GatewayMetrics
+from servefleet.gateway.poison import PoisonedRequest, is_poisoned, poisoned_error
 from servefleet.gateway.pool import DeploymentPool, Lease
 from servefleet.gateway.pool_resume import others_ready, reroute_waiting
 from servefleet.gateway.proxy import prepare_body
+from servefleet.gateway.queueing import TrafficClass
 from servefleet.gateway.relay import Relay
 from servefleet.gateway.routing import Replica
 from servefleet.gateway.stream_splice import (
@@ -38,13 +43,29 @@ from servefleet.gateway.upstream import (
 )
 
 JSON_HEADERS = [(b"content-type", JSON)]
+REQUEST_ID_HEADER = b"x-request-id"
 
 
-def engine_headers(config: GatewayDeployment) -> list[tuple[bytes, bytes]]:
-    """Headers of a request to a replica: the engine key as a Bearer token when it needs one."""
-    if config.engine_api_key is None:
-        return JSON_HEADERS
-    return [*JSON_HEADERS, (b"authorization", b"Bearer " + config.engine_api_key.read().encode())]
+def engine_headers(config: GatewayDeployment, request_id: str = "") -> list[tuple[bytes, bytes]]:
+    """Headers of a request to a replica: the engine key as a Bearer token when it needs one,
+    and the gateway's request id (the engine's log lines can name it)."""
+    headers = JSON_HEADERS
+    if config.engine_api_key is not None:
+        key = config.engine_api_key.read().encode()
+        headers = [*headers, (b"authorization", b"Bearer " + key)]
+    if request_id:
+        headers = [*headers, (REQUEST_ID_HEADER, request_id.encode())]
+    return headers
+
+
+def engine_fields(call: Call) -> dict[str, Any]:
+    """What the gateway adds to a request for its engines: a batch tenant's `priority`
+    (interactive is the engine's default, 0), for engines that take ours (servefleet)."""
+    generates = call.path in ("/v1/chat/completions", "/v1/completions")
+    batch = call.route.traffic_class is TrafficClass.BATCH
+    if generates and batch and call.route.pool.config.engine_priority:
+        return {"priority": "batch"}
+    return {}
 
 
 class Forwarder:
@@ -61,13 +82,18 @@ class Forwarder:
         while True:
             try:
                 response, failure = await unless_client_leaves(
-                    self._attempt(pool, lease.replica, call.path, body), receive
+                    self._try(call, lease, body), receive
                 )
             except ClientGone:
                 pool.release(lease, ok=False)
                 return
             if failure is None:
                 break
+            if isinstance(failure, PoisonedRequest):  # the replica is fine: no one else gets it
+                pool.release(lease, ok=False)
+                call.route.metrics.outcome["upstream_error"].inc()
+                failure.headers.update({k.decode(): v.decode() for k, v in call.rl_headers})
+                raise failure
             if failure.status != 503:
                 pool.eject(lease.replica)
                 self._metrics.ejections.labels(pool.model).inc()
@@ -107,6 +133,17 @@ class Forwarder:
         finally:
             pool.release(leases[-1], ok=ok)
 
+    async def _try(
+        self, call: Call, lease: Lease, body: bytes
+    ) -> tuple[UpstreamResponse | None, GatewayError | None]:
+        """`_attempt` on the leased replica; a timeout on a replica that still answers its
+        probe is the request's fault (`poison`), not the replica's."""
+        replica = lease.replica
+        response, failure = await self._attempt(call.route.pool, replica, call, body)
+        if call.timed_out and await is_poisoned(self._upstream, call, replica):
+            return None, poisoned_error(call)
+        return response, failure
+
     @staticmethod
     async def _move(pool: DeploymentPool, lease: Lease) -> Lease | None:
         """Another replica for a request whose replica failed before a byte: a free slot, else
@@ -117,12 +154,17 @@ class Forwarder:
     def _pool_body(call: Call) -> tuple[dict[str, Any] | None, bytes]:
         """(the request as a continuation builds on it, or None: not resumable; what is sent)."""
         config = call.route.pool.config
+        extra = engine_fields(call)
         if config.max_continuations == 0 or not resumable(call.parsed, stream=call.stream):
             body = prepare_body(
-                call.raw, call.parsed, stream=call.stream, client_wants_usage=call.wants_usage
+                call.raw,
+                call.parsed,
+                stream=call.stream,
+                client_wants_usage=call.wants_usage,
+                extra=extra,
             )
             return None, body
-        first = first_body(call.parsed, exact=config.exact_continuation)
+        first = first_body({**call.parsed, **extra}, exact=config.exact_continuation)
         first["stream_options"] = {**(first.get("stream_options") or {}), "include_usage": True}
         call.splice = StreamSplice(
             chat=call.path.endswith("/chat/completions"),
@@ -134,6 +176,8 @@ class Forwarder:
     async def _again(self, call: Call, leases: list[Lease], body: bytes) -> UpstreamResponse | None:
         """The whole request once more on another replica: its replica failed mid-answer."""
         pool = call.route.pool
+        if call.timed_out and await is_poisoned(self._upstream, call, leases[-1].replica):
+            return None
         pool.eject(leases[-1].replica)
         self._metrics.ejections.labels(pool.model).inc()
         moved = await reroute_waiting(pool, leases[-1], pool.config.upstream_timeout_seconds)
@@ -141,7 +185,7 @@ class Forwarder:
             return None
         leases.append(moved)
         self._metrics.upstream_retries.labels(pool.model).inc()
-        response, _ = await self._attempt(pool, moved.replica, call.path, body)
+        response, _ = await self._attempt(pool, moved.replica, call, body)
         if response is not None:
             call.replica = moved.replica.endpoint
         return response
@@ -153,6 +197,8 @@ class Forwarder:
         pool, splice = call.route.pool, call.splice
         assert first is not None and splice is not None
         while splice.continuations < pool.config.max_continuations:
+            if call.timed_out and await is_poisoned(self._upstream, call, leases[-1].replica):
+                return None  # silent on this request alone: the request, not the replica
             pool.eject(leases[-1].replica)  # it broke mid-stream: dead or stalled
             self._metrics.ejections.labels(pool.model).inc()
             # Every other replica busy: wait for a slot rather than cut the client's answer, as
@@ -166,7 +212,7 @@ class Forwarder:
             splice.broken = False
             self._metrics.stream_continuations.labels(pool.model).inc()
             body = encode(continuation_body(first, splice))
-            response, _ = await self._attempt(pool, moved.replica, call.path, body)
+            response, _ = await self._attempt(pool, moved.replica, call, body)
             if response is not None and response.status == 200:
                 call.replica = moved.replica.endpoint
                 return response
@@ -176,20 +222,22 @@ class Forwarder:
         return None
 
     async def _attempt(
-        self, pool: DeploymentPool, replica: Replica, path: str, body: bytes
+        self, pool: DeploymentPool, replica: Replica, call: Call, body: bytes
     ) -> tuple[UpstreamResponse | None, GatewayError | None]:
         """The replica's response, or why it gave none (a 5xx response is closed here)."""
         config = pool.config
+        call.timed_out = False
         try:
             response = await self._upstream.request(
                 "POST",
-                replica.endpoint + path,
+                replica.endpoint + call.path,
                 body,
-                engine_headers(config),
+                engine_headers(config, call.request_id),
                 connect_timeout=config.connect_timeout_seconds,
                 read_timeout=config.upstream_timeout_seconds,
             )
         except UpstreamTimeout:
+            call.timed_out = True
             return None, GatewayError(
                 504, "The model replica timed out.", type="upstream_error", code="timeout"
             )

@@ -1,10 +1,11 @@
 """The internal listener: `/metrics`, deployment stats for the autoscaler, replica lists.
 
 Served on its own port (`internal_port`), never on the tenant port: the metrics name every
-tenant and the stats every deployment, and a tenant who can reach the gateway must not read
-them. Inside the cluster the port is open to whoever may reach it (Prometheus, the
-autoscaler); replacing a deployment's replicas also needs the internal API key when one is
-configured, and is refused for deployments that discover their replicas from Kubernetes.
+tenant, the stats every deployment, and a replica list decides where prompts and the engine
+key are sent. So every path but `/health` needs `Authorization: Bearer <internal_api_key>`
+(compared as bytes, in constant time); without a configured key the app answers nothing else.
+A replica update must name `http(s)://host:port` endpoints inside the deployment's allowed
+networks, and is refused for deployments that discover their replicas from Kubernetes.
 """
 
 from __future__ import annotations
@@ -13,42 +14,70 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, Field, ValidationError
 
+from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.gateway_stats import dump_deployment_stats
+from servefleet.api.replica_endpoints import ReplicaTargets
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
 from servefleet.gateway.auth import bearer_matches
-from servefleet.gateway.errors import GatewayError, validation_error
+from servefleet.gateway.errors import GatewayError, method_not_allowed, validation_error
 from servefleet.gateway.route_table import RouteTable
 
 DEPLOYMENTS_PATH = "/internal/deployments"
 METRICS_PATH = "/metrics"
+HEALTH_PATH = "/health"
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4"
+MAX_ENDPOINTS = 1024
 
 
 class ReplicaUpdate(BaseModel):
-    endpoints: list[str]
+    endpoints: list[str] = Field(max_length=MAX_ENDPOINTS)
     ready: list[str] | None = Field(
-        default=None, description="Endpoints known to be ready; others are probed."
+        default=None,
+        max_length=MAX_ENDPOINTS,
+        description="Endpoints known to be ready; others are probed.",
     )
 
 
-def is_replica_update(method: str, path: str) -> bool:
-    return (
-        method == "POST" and path.startswith(DEPLOYMENTS_PATH + "/") and path.endswith("/replicas")
-    )
+def is_replicas_path(path: str) -> bool:
+    return path.startswith(DEPLOYMENTS_PATH + "/") and path.endswith("/replicas")
+
+
+def allowed_methods(path: str) -> str | None:
+    """The methods a known internal path takes (the `Allow` header), None for unknown paths."""
+    if path in (METRICS_PATH, DEPLOYMENTS_PATH, HEALTH_PATH):
+        return "GET"
+    if is_replicas_path(path):
+        return "POST"
+    return None
+
+
+def require_internal_key(scope: Scope, internal_key: str | None) -> None:
+    if internal_key is None:
+        raise GatewayError(
+            401,
+            "No internal API key is configured; this port serves only /health.",
+            code="invalid_api_key",
+        )
+    if not bearer_matches(header(scope, b"authorization"), internal_key):
+        raise GatewayError(
+            401, "This internal endpoint needs the internal API key.", code="invalid_api_key"
+        )
+
+
+def check_endpoint(deployment: GatewayDeployment, endpoint: str, param: str) -> None:
+    """400 unless `endpoint` is a plain http(s) address the platform allowed for it."""
+    targets = ReplicaTargets.of(deployment.endpoints, deployment.allowed_replica_networks)
+    problem = targets.problem(endpoint)
+    if problem is not None:
+        raise GatewayError(400, f"Endpoint {endpoint!r} {problem}.", param=param)
 
 
 async def send_deployment_stats(table: RouteTable, send: Send) -> None:
     await respond(send, 200, dump_deployment_stats([p.stats() for p in table.pools.values()]))
 
 
-async def update_replicas(
-    table: RouteTable, internal_key: str | None, scope: Scope, receive: Receive, send: Send
-) -> None:
+async def update_replicas(table: RouteTable, scope: Scope, receive: Receive, send: Send) -> None:
     """Replace a static deployment's replica list; answers with its stats."""
-    if internal_key is not None and not bearer_matches(
-        header(scope, b"authorization"), internal_key
-    ):
-        raise GatewayError(401, "This internal endpoint needs the internal API key.")
     path: str = scope["path"]
     name = path[len(DEPLOYMENTS_PATH + "/") : -len("/replicas")]
     pool = table.pools.get(name)
@@ -63,6 +92,8 @@ async def update_replicas(
         update = ReplicaUpdate.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    for i, endpoint in enumerate(update.endpoints):
+        check_endpoint(pool.config, endpoint, f"endpoints.{i}")
     pool.set_replicas(update.endpoints, update.ready)
     await respond(send, 200, pool.stats().model_dump_json().encode())
 
@@ -86,18 +117,24 @@ class InternalApp:
         try:
             await self._http(scope, receive, send)
         except GatewayError as exc:
-            await respond(send, exc.status, exc.body())
+            headers = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+            await respond(send, exc.status, exc.body(), headers=headers)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
         path: str = scope["path"]
-        if method == "GET" and path == METRICS_PATH:
-            await respond(send, 200, self._render_metrics(), content_type=PROMETHEUS_TEXT)
-        elif method == "GET" and path == DEPLOYMENTS_PATH:
-            await send_deployment_stats(self._table(), send)
-        elif is_replica_update(method, path):
-            await update_replicas(self._table(), self._internal_key, scope, receive, send)
-        elif method == "GET" and path == "/health":
+        if method == "GET" and path == HEALTH_PATH:
             await respond(send, 200, b'{"status":"ok"}')
-        else:
+            return
+        require_internal_key(scope, self._internal_key)  # before anything says what exists
+        allowed = allowed_methods(path)
+        if allowed is None:
             raise GatewayError(404, f"Unknown path {method} {path}", code="unknown_url")
+        if method not in allowed.split(", "):
+            raise method_not_allowed(method, path, allowed)
+        if path == METRICS_PATH:
+            await respond(send, 200, self._render_metrics(), content_type=PROMETHEUS_TEXT)
+        elif path == DEPLOYMENTS_PATH:
+            await send_deployment_stats(self._table(), send)
+        else:
+            await update_replicas(self._table(), scope, receive, send)

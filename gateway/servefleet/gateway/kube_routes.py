@@ -1,8 +1,10 @@
 """`servefleet gateway --kube-routes`: serve what the operator's route ConfigMaps say, hot.
 
 Watches ConfigMaps labelled `servefleet.io/gateway-route=true` (in every namespace, or in the
-namespaces given), resolves the tenant key Secrets they reference through the API server, merges
-them into the base config file and calls `Gateway.reconfigure` — no restart, no mounted Secrets.
+namespaces given), keeps those the operator signed (`route_merge`: with the key of
+`--route-signing-key-file`), resolves the tenant key Secrets they reference through the API
+server, checks spill-over targets (`spill_guard`), merges them into the base config file and
+calls `Gateway.reconfigure` — no restart, no mounted Secrets.
 
 Secrets are read one by one with GET, only those a route references (so the gateway's RBAC needs
 `get` on Secrets, not `list`/`watch`, which would hand it every Secret's content), again every
@@ -36,6 +38,7 @@ from servefleet.gateway.route_merge import (
     referenced_secrets,
     resolve_route,
 )
+from servefleet.gateway.spill_guard import resolve_hosts, spill_host, spill_problem
 from servefleet.kube import KubeAccess, KubeClient, KubeError, LabelWatcher, ObjectKey
 from servefleet.kube.resources import CONFIG_MAPS, SECRETS
 
@@ -106,6 +109,7 @@ class KubeRoutes:
         base: GatewayConfig,
         access: KubeAccess,
         *,
+        signing_key: bytes,
         namespaces: Iterable[str] = (),
         mount: str = SECRETS_MOUNT,
         secret_refresh_s: float = 30.0,
@@ -115,6 +119,7 @@ class KubeRoutes:
         self.gateway = gateway
         self.base = base
         self.access = access
+        self.signing_key = signing_key
         self.namespaces: list[str | None] = [*namespaces] or [None]
         self.mount = mount
         self.secret_refresh_s = secret_refresh_s
@@ -122,6 +127,7 @@ class KubeRoutes:
         self.settle_s = settle_s
         self.synced = asyncio.Event()  # every watch listed once and the result applied
         self.rejected: dict[str, str] = {}  # route id -> reason, for logs and tests
+        self.spill_refused: dict[str, str] = {}  # route id -> why its spill-over is off
         self._configmaps: dict[str | None, dict[ObjectKey, dict[str, Any]]] = {}
         self._changed = asyncio.Event()
         self._applied: GatewayConfig | None = None
@@ -176,7 +182,7 @@ class KubeRoutes:
         for objects in self._configmaps.values():
             for configmap in objects.values():
                 try:
-                    route = parse_route(configmap)
+                    route = parse_route(configmap, self.signing_key)
                     tenants, spills = referenced_secrets(route, self.mount)
                 except RouteError as exc:
                     meta = configmap.get("metadata") or {}
@@ -190,10 +196,12 @@ class KubeRoutes:
         except KubeError as exc:
             log.warning("cannot read tenant key Secrets (%s); keeping the current routes", exc)
             return True
+        spill_problems = await self._spill_problems(routes)
+        self._log_spill_refusals(routes, spill_problems)
         resolved: list[tuple[Route, GatewayConfig]] = []
         missing = False
         for route in routes:
-            config, warnings = resolve_route(route, secrets, self.mount)
+            config, warnings = resolve_route(route, secrets, self.mount, spill_problems)
             for warning in warnings:
                 log.warning("%s", warning)
             missing = missing or bool(warnings)
@@ -219,6 +227,33 @@ class KubeRoutes:
                 len(result.config.tenants),
             )
         return missing
+
+    def _log_spill_refusals(self, routes: Iterable[Route], problems: dict[str, str]) -> None:
+        """One warning per route whose spill-over target is refused, when that changes."""
+        refused = {
+            route.id: problems[d.spillover.base_url]
+            for route in routes
+            for d in route.config.deployments
+            if d.spillover is not None and d.spillover.base_url in problems
+        }
+        for route_id, why in sorted(refused.items()):
+            if self.spill_refused.get(route_id) != why:
+                log.warning("route %s: %s; spill-over off", route_id, why)
+        self.spill_refused = refused
+
+    async def _spill_problems(self, routes: Iterable[Route]) -> dict[str, str]:
+        """Spill-over base URL -> why it is refused, for every route's enabled spill-over."""
+        urls = {
+            d.spillover.base_url
+            for route in routes
+            for d in route.config.deployments
+            if d.spillover is not None and d.spillover.enabled and d.spillover.base_url
+        }
+        hosts = {h for url in urls if (h := spill_host(url)) is not None}
+        resolved = await resolve_hosts(hosts) if hosts else {}
+        allowed = self.base.spillover_allowed_hosts
+        problems = {url: spill_problem(url, resolved, allowed) for url in urls}
+        return {url: why for url, why in problems.items() if why is not None}
 
 
 class KubeRoutedGateway:

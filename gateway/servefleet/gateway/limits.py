@@ -8,8 +8,8 @@ a set of live reservation ids whose leases expire, so a crashed gateway cannot l
 
 One interface, three implementations: `LocalLimiter` (here, in process), and in
 `limits_redis` `RedisLimiter` (shared by every gateway replica through atomic Lua scripts) and
-`FailoverLimiter` (Redis, falling back to per-replica local limits while Redis is unreachable
-and returning to Redis by itself).
+in `limits_failover` `FailoverLimiter` (Redis, falling back to per-replica local limits seeded
+from the shared ones while Redis is unreachable, writing back what they used when it returns).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,6 +82,16 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
+class ScopeLevels:
+    """One scope's shared counters as Redis last reported them (None: unlimited, unknown)."""
+
+    requests: float | None = None  # what the requests bucket holds (negative: in debt)
+    tokens: float | None = None
+    day_used: int | None = None  # daily tokens used on `day`
+    day: int = -1
+
+
+@dataclass(frozen=True, slots=True)
 class LimitDecision:
     admitted: bool
     snapshot: LimitSnapshot
@@ -89,6 +99,7 @@ class LimitDecision:
     retry_after_s: float = 0.0
     # Which limit said no: requests_per_minute, tokens_per_minute, max_concurrent, daily_tokens.
     exceeded: str | None = None
+    observed: tuple[ScopeLevels, ...] = ()  # per scope, from Redis (what a fallback seeds from)
 
 
 class RequestTooLarge(Exception):
@@ -184,6 +195,37 @@ class LocalLimiter:
         if state.day != today:
             state.day, state.day_used = today, 0
         return state
+
+    def reset(self) -> None:
+        """Forget every window: a fallback starts each outage from what it is seeded with."""
+        self._scopes.clear()
+
+    def seeded(self, key: str) -> bool:
+        return key in self._scopes
+
+    def seed(
+        self, scope: LimitScope, levels: ScopeLevels | None, since: float, live: Iterable[str]
+    ) -> None:
+        """Start `scope`'s windows from known levels (seen at `since` on this clock, refilled
+        from then on) instead of full ones; `live` are slots already taken elsewhere."""
+        now, policy, state = self._clock(), scope.policy, _ScopeState()
+        if levels is not None:
+            if policy.requests_per_minute is not None and levels.requests is not None:
+                state.requests = _Bucket(levels.requests, since)
+            if policy.tokens_per_minute is not None and levels.tokens is not None:
+                state.tokens = _Bucket(levels.tokens, since)
+            today = int(self._wall() // SECONDS_PER_DAY)
+            known = policy.daily_tokens is not None and levels.day_used is not None
+            if known and levels.day == today and levels.day_used is not None:
+                state.day, state.day_used = today, levels.day_used
+        for rid in live:
+            state.live[rid] = now + self._lease_ttl_s
+        self._scopes[scope.key] = state
+
+    def forget(self, rid: str) -> None:
+        """A slot seeded from elsewhere was given back."""
+        for state in self._scopes.values():
+            state.live.pop(rid, None)
 
     async def reserve(self, scopes: Sequence[LimitScope], tokens: int) -> LimitDecision:
         return self.reserve_now(scopes, tokens)

@@ -65,11 +65,12 @@ for i = 0, nscopes - 1 do
     redis.call('ZREMRANGEBYSCORE', KEYS[3 + i * 4], '-inf', now * 1000)
     if redis.call('ZCARD', KEYS[3 + i * 4]) >= conc then note(3, 1) end
   end
+  local du = -1
   if daily > 0 then
-    local used = tonumber(redis.call('GET', KEYS[4 + i * 4]) or '0')
-    if used + tokens > daily then note(4, 86400 - (now % 86400)) end
+    du = tonumber(redis.call('GET', KEYS[4 + i * 4]) or '0')
+    if du + tokens > daily then note(4, 86400 - (now % 86400)) end
   end
-  levels[i + 1] = {rl, tl}
+  levels[i + 1] = {rl, tl, du}
 end
 if exceeded == 0 then
   for i = 0, nscopes - 1 do
@@ -94,11 +95,85 @@ if exceeded == 0 then
     if daily > 0 then
       redis.call('INCRBY', KEYS[4 + i * 4], tokens)
       redis.call('EXPIRE', KEYS[4 + i * 4], 172800)
+      levels[i + 1][3] = levels[i + 1][3] + tokens
     end
   end
 end
-return {exceeded, tostring(wait), tostring(levels[1][1]), tostring(levels[1][2]),
-        math.floor(now / 86400)}
+local out = {exceeded, tostring(wait), tostring(levels[1][1]), tostring(levels[1][2]),
+             math.floor(now / 86400)}
+for i = 1, nscopes do
+  for j = 1, 3 do out[#out + 1] = tostring(levels[i][j]) end
+end
+return out
+"""
+
+# The shared levels of some scopes, changing nothing: what a replica remembers so that, if
+# Redis goes away, its local windows start from them (not full). KEYS: 4 per scope as above;
+# ARGV: 4 per scope (rpm, tpm, concurrency, daily). Returns the day, then per scope the
+# requests level, tokens level and daily tokens used (-1: unlimited).
+READ_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local out = {math.floor(now / 86400)}
+for i = 0, #KEYS / 4 - 1 do
+  local rpm = tonumber(ARGV[1 + i * 4])
+  local tpm = tonumber(ARGV[2 + i * 4])
+  local daily = tonumber(ARGV[4 + i * 4])
+  local rl, tl, du = -1, -1, -1
+  for _, pair in ipairs({{1, rpm}, {2, tpm}}) do
+    local cap = pair[2]
+    if cap > 0 then
+      local v = redis.call('HMGET', KEYS[pair[1] + i * 4], 'l', 's')
+      local l = cap
+      if v[1] then
+        l = tonumber(v[1]) + (now - tonumber(v[2])) * cap / 60
+        if l > cap then l = cap end
+      end
+      if pair[1] == 1 then rl = l else tl = l end
+    end
+  end
+  if daily > 0 then du = tonumber(redis.call('GET', KEYS[4 + i * 4]) or '0') end
+  out[#out + 1] = tostring(rl)
+  out[#out + 1] = tostring(tl)
+  out[#out + 1] = tostring(du)
+end
+return out
+"""
+
+# What replicas used on their own while Redis was away, charged when it is back, so an outage
+# gives no tenant a second window or a second day. KEYS: 4 per scope as above (the day key of
+# the day the tokens were used); ARGV: 5 per scope (rpm, tpm, daily, requests, tokens; tokens
+# negative for a refund that could not be settled). A window may go below zero: it is in debt
+# and refills from there.
+DEBIT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for i = 0, #KEYS / 4 - 1 do
+  local caps = {tonumber(ARGV[1 + i * 5]), tonumber(ARGV[2 + i * 5])}
+  local daily = tonumber(ARGV[3 + i * 5])
+  local used = {tonumber(ARGV[4 + i * 5]), tonumber(ARGV[5 + i * 5])}
+  for j = 1, 2 do
+    local cap, key = caps[j], KEYS[j + i * 4]
+    if cap > 0 and used[j] ~= 0 then
+      local v = redis.call('HMGET', key, 'l', 's')
+      local l = cap
+      if v[1] then
+        l = tonumber(v[1]) + (now - tonumber(v[2])) * cap / 60
+        if l > cap then l = cap end
+      end
+      l = l - used[j]
+      if l > cap then l = cap end
+      redis.call('HSET', key, 'l', l, 's', now)
+      redis.call('EXPIRE', key, 120)
+    end
+  end
+  if daily > 0 and used[2] ~= 0 then
+    local day = tonumber(redis.call('GET', KEYS[4 + i * 4]) or '0') + used[2]
+    if day < 0 then day = 0 end
+    redis.call('SET', KEYS[4 + i * 4], day, 'EX', 172800)
+  end
+end
+return 1
 """
 
 # KEYS: as above. ARGV: refund (reserved - used, may be negative), reservation id, then

@@ -1,34 +1,37 @@
-"""Limits shared by every gateway replica through Redis, with a local fallback.
+"""Limits shared by every gateway replica through Redis.
 
 `RedisLimiter` keeps the same buckets as `LocalLimiter` in Redis and changes them with one
-atomic Lua script per step, on Redis' own clock, so every gateway replica agrees.
-`FailoverLimiter` uses it while Redis answers and, while it does not, enforces each replica's
-share (1/N) of every limit locally, returning to Redis by itself after a back-off.
+atomic Lua script per step, on Redis' own clock, so every gateway replica agrees. It also
+reads the shared levels without changing them and charges usage made elsewhere (`observe`,
+`debit`): what `limits_failover.FailoverLimiter` needs to carry limits across an outage.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from servefleet.gateway.limits import (
     LIMIT_NAMES,
     SECONDS_PER_DAY,
     LimitDecision,
-    LimitPolicy,
     LimitScope,
     LimitSnapshot,
-    LocalLimiter,
     Reservation,
+    ScopeLevels,
     check_request_size,
 )
-from servefleet.gateway.limits_lua import REDIS_LEASE_TTL_S, RENEW_LUA, RESERVE_LUA, SETTLE_LUA
-
-log = logging.getLogger("servefleet.gateway.limits")
+from servefleet.gateway.limits_lua import (
+    DEBIT_LUA,
+    READ_LUA,
+    REDIS_LEASE_TTL_S,
+    RENEW_LUA,
+    RESERVE_LUA,
+    SETTLE_LUA,
+)
 
 
 class RedisUnavailable(Exception):
@@ -37,6 +40,27 @@ class RedisUnavailable(Exception):
 
 def _limit_arg(value: int | None) -> int:
     return 0 if value is None else int(value)
+
+
+@dataclass(slots=True)
+class Debt:
+    """Requests and tokens a scope used without Redis (tokens < 0: a refund owed to it)."""
+
+    scope: LimitScope
+    day: int
+    requests: int = 0
+    tokens: int = 0
+
+
+def _levels(values: Sequence[Any], day: int) -> ScopeLevels:
+    """A scope's (requests level, tokens level, daily used) from a script; -1 is none."""
+    rl, tl, du = (float(v) for v in values)
+    return ScopeLevels(
+        None if rl == -1 else rl,
+        None if tl == -1 else tl,
+        None if du < 0 else int(du),
+        day,
+    )
 
 
 class RedisLimiter:
@@ -49,11 +73,13 @@ class RedisLimiter:
         key_prefix: str = "servefleet:limits",
         timeout_s: float = 0.5,
         lease_ttl_s: float = REDIS_LEASE_TTL_S,
+        password: str | None = None,
     ) -> None:
         import redis.asyncio as redis_asyncio
 
         self._client: Any = redis_asyncio.Redis.from_url(
             url,
+            password=password,  # a password in `url` wins
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry_on_timeout=False,
@@ -65,6 +91,8 @@ class RedisLimiter:
         self._reserve = self._client.register_script(RESERVE_LUA)
         self._settle = self._client.register_script(SETTLE_LUA)
         self._renew = self._client.register_script(RENEW_LUA)
+        self._read = self._client.register_script(READ_LUA)
+        self._debit = self._client.register_script(DEBIT_LUA)
         self._leases: dict[str, list[str]] = {}  # reservation id -> the live sets it is in
         self._keys_cache: dict[tuple[str, int], list[str]] = {}
 
@@ -118,14 +146,67 @@ class RedisLimiter:
             int(result[4]),
         )
         snapshot = self._snapshot(scopes, req_level, tok_level)
+        observed = tuple(
+            _levels(result[5 + i * 3 : 8 + i * 3], redis_day) for i in range(len(scopes))
+        )
         if exceeded:
-            return LimitDecision(False, snapshot, None, wait, LIMIT_NAMES[exceeded - 1])
+            return LimitDecision(
+                False, snapshot, None, wait, LIMIT_NAMES[exceeded - 1], observed=observed
+            )
         if redis_day != day:  # the day turned between our clock and Redis' clock
             day = redis_day
         live = [keys[i * 4 + 2] for i, s in enumerate(scopes) if s.policy.max_concurrent]
         if live:
             self._leases[rid] = live
-        return LimitDecision(True, snapshot, Reservation(rid, tuple(scopes), tokens, day, self))
+        reservation = Reservation(rid, tuple(scopes), tokens, day, self)
+        return LimitDecision(True, snapshot, reservation, observed=observed)
+
+    async def observe(self, scopes: Sequence[LimitScope]) -> list[ScopeLevels]:
+        """The shared levels of `scopes` now, changing nothing (one round trip)."""
+        if not scopes:
+            return []
+        day = int(time.time() // SECONDS_PER_DAY)
+        args: list[Any] = []
+        for scope in scopes:
+            p = scope.policy
+            args += [
+                _limit_arg(p.requests_per_minute),
+                _limit_arg(p.tokens_per_minute),
+                _limit_arg(p.max_concurrent),
+                _limit_arg(p.daily_tokens),
+            ]
+        try:
+            result = await self._read(keys=self._keys(scopes, day), args=args)
+        except Exception as exc:
+            raise RedisUnavailable(str(exc)) from exc
+        redis_day = int(result[0])
+        return [_levels(result[1 + i * 3 : 4 + i * 3], redis_day) for i in range(len(scopes))]
+
+    async def debit(self, debts: Sequence[Debt]) -> None:
+        """Charge what was used without Redis to the shared windows and days (one round trip)."""
+        if not debts:
+            return
+        keys: list[str] = []
+        args: list[Any] = []
+        for debt in debts:
+            p = debt.scope.policy
+            keys += self._keys([debt.scope], debt.day)
+            args += [
+                _limit_arg(p.requests_per_minute),
+                _limit_arg(p.tokens_per_minute),
+                _limit_arg(p.daily_tokens),
+                debt.requests,
+                debt.tokens,
+            ]
+        try:
+            await self._debit(keys=keys, args=args)
+        except Exception as exc:
+            raise RedisUnavailable(str(exc)) from exc
+
+    def leases_on(self, scope: LimitScope) -> list[str]:
+        """Ids of this gateway's live Redis reservations holding a slot of `scope`."""
+        live = self._keys([scope], 0)[2]
+        return [rid for rid, keys in self._leases.items() if live in keys]
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         if reservation.settled:
@@ -178,120 +259,3 @@ class RedisLimiter:
 
     async def close(self) -> None:
         await self._client.aclose()
-
-
-class FailoverLimiter:
-    """Redis first; while Redis is unreachable, per-replica local limits. Recovers by itself.
-
-    While degraded every replica enforces `share` of each limit locally (share = 1 / number of
-    gateway replicas), so the fleet as a whole stays near the configured limits. Redis is retried
-    after a back-off that doubles up to `max_backoff_s`.
-    """
-
-    def __init__(
-        self,
-        primary: RedisLimiter,
-        fallback: LocalLimiter,
-        *,
-        share: float = 1.0,
-        on_error: Callable[[str], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        min_backoff_s: float = 0.5,
-        max_backoff_s: float = 10.0,
-    ) -> None:
-        self.primary = primary
-        self.fallback = fallback
-        self._share = share
-        self._on_error = on_error or (lambda _op: None)
-        self._clock = clock
-        self._min_backoff = min_backoff_s
-        self._max_backoff = max_backoff_s
-        self._backoff = min_backoff_s
-        self._retry_at = 0.0
-        self.degraded = False
-        self._scaled: dict[LimitPolicy, LimitPolicy] = {}
-
-    def _local_scopes(self, scopes: Sequence[LimitScope]) -> list[LimitScope]:
-        out = []
-        for scope in scopes:
-            scaled = self._scaled.get(scope.policy)
-            if scaled is None:
-                scaled = self._scaled[scope.policy] = scope.policy.scaled(self._share)
-            out.append(LimitScope(scope.key, scaled))
-        return out
-
-    def _failed(self, op: str, exc: Exception) -> None:
-        self._on_error(op)
-        if not self.degraded:
-            log.warning(
-                "redis unreachable (%s: %s); enforcing per-replica limits (share %.2f) until "
-                "it is back",
-                op,
-                exc,
-                self._share,
-            )
-        else:
-            self._backoff = min(self._max_backoff, self._backoff * 2)
-        self.degraded = True
-        self._retry_at = self._clock() + self._backoff
-
-    async def reserve(self, scopes: Sequence[LimitScope], tokens: int) -> LimitDecision:
-        if not self.degraded or self._clock() >= self._retry_at:
-            try:
-                decision = await self.primary.reserve(scopes, tokens)
-            except RedisUnavailable as exc:
-                self._failed("reserve", exc)
-            else:
-                self._recovered()
-                return decision
-        return self.fallback.reserve_now(self._local_scopes(scopes), tokens)
-
-    def _recovered(self) -> None:
-        if self.degraded:
-            log.warning("redis is back; limits are shared across replicas again")
-            self.degraded = False
-            self._backoff = self._min_backoff
-
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
-        # Settle where the reservation was made; the fallback's scopes are already scaled.
-        if reservation.limiter is self.fallback:
-            self.fallback.settle_now(reservation, used_tokens)
-            return
-        try:
-            await self.primary.settle(reservation, used_tokens)
-        except RedisUnavailable as exc:
-            # The concurrency lease expires on its own; the token refund is lost (conservative).
-            self._failed("settle", exc)
-
-    async def keep_leases(self) -> None:
-        """Renew this gateway's concurrency leases in Redis for as long as it runs (a task the
-        gateway starts and cancels); an unreachable Redis is one more failure, never the end.
-        While degraded it also pings Redis each time the back-off ends, so the limits are
-        shared again as soon as Redis is back, whether or not requests arrive to notice."""
-        renew_every = self.primary.lease_ttl_s / 3
-        since_renewal = 0.0
-        while True:
-            step = renew_every - since_renewal
-            if self.degraded:
-                step = min(step, self._min_backoff)
-            await asyncio.sleep(step)
-            since_renewal += step
-            if self.degraded and self._clock() >= self._retry_at:
-                await self._probe()
-            if since_renewal >= renew_every:
-                since_renewal = 0.0
-                try:
-                    await self.primary.renew_leases()
-                except RedisUnavailable as exc:
-                    self._failed("renew", exc)
-
-    async def _probe(self) -> None:
-        try:
-            await self.primary.ping()
-        except RedisUnavailable as exc:
-            self._failed("ping", exc)
-        else:
-            self._recovered()
-
-    async def close(self) -> None:
-        await self.primary.close()

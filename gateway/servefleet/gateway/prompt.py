@@ -25,6 +25,8 @@ PER_MESSAGE_TOKENS = 4
 class PromptShape:
     estimated_tokens: int
     affinity_key: int | None
+    chars: int = 0  # the longest single prompt's text (what a context-length bound reads)
+    total_chars: int = 0  # every prompt's text (what counting them costs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +47,13 @@ class PromptReader:
             parts.append(content_text(message.get("content")))
         text = "\x1f".join(parts)
         tokens = math.ceil(len(text) / self.chars_per_token) + PER_MESSAGE_TOKENS * len(messages)
-        return PromptShape(tokens, self._key(text))
+        chars = len(text) - (len(parts) - 1)  # roles and contents, all rendered into the prompt
+        return PromptShape(tokens, self._key(text), chars, chars)
 
     def completion(self, prompt: Any) -> PromptShape:
         if isinstance(prompt, str):
-            return PromptShape(math.ceil(len(prompt) / self.chars_per_token), self._key(prompt))
+            tokens = math.ceil(len(prompt) / self.chars_per_token)
+            return PromptShape(tokens, self._key(prompt), len(prompt), len(prompt))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             # Token ids: exact count, key over the first blocks of ids.
             n = self.block_size * self.affinity_blocks
@@ -59,7 +63,9 @@ class PromptReader:
         if isinstance(prompt, list):
             shapes = [self.completion(p) for p in prompt]
             first = shapes[0].affinity_key if shapes else None
-            return PromptShape(sum(s.estimated_tokens for s in shapes), first)
+            longest = max((s.chars for s in shapes), default=0)
+            total = sum(s.total_chars for s in shapes)
+            return PromptShape(sum(s.estimated_tokens for s in shapes), first, longest, total)
         return PromptShape(0, None)
 
     def _key(self, text: str) -> int | None:

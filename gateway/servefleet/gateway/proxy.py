@@ -131,11 +131,14 @@ def prepare_body(
     stream: bool,
     client_wants_usage: bool,
     model: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
-    """The body to send upstream: unchanged unless usage must be asked for or the model renamed."""
-    if model is None and (not stream or client_wants_usage):
+    """The body to send upstream: unchanged unless usage must be asked for, the model renamed
+    or the gateway adds fields of its own (`extra`: the engine priority)."""
+    if model is None and not extra and (not stream or client_wants_usage):
         return raw
     body = dict(parsed)
+    body.update(extra or {})
     if model is not None:
         body["model"] = model
     if stream and not client_wants_usage:

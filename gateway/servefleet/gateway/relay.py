@@ -51,6 +51,7 @@ class Relay:
         headers = [
             (b"content-type", response.header(b"content-type") or JSON),
             (b"x-servefleet-route", ROUTE_SPILL if spill else ROUTE_POOL),
+            (b"x-request-id", call.request_id.encode()),
             *call.rl_headers,
         ]
         if response.status != 200 or not call.stream:
@@ -77,6 +78,7 @@ class Relay:
             return False  # nothing was delivered, so nothing is charged
         except UpstreamError as exc:
             response.close()
+            call.timed_out = isinstance(exc, UpstreamTimeout)
             retry = await resume() if resume is not None and status == 200 else None
             if retry is not None:  # nothing reached the client yet: the whole answer again
                 return await self._whole(call, retry, send, receive, headers, spill, None)
@@ -168,7 +170,8 @@ class Relay:
                     return _LEFT  # closing the upstream aborts the generation
                 if splice is not None and splice.broken:
                     return _BROKEN
-        except UpstreamError:
+        except UpstreamError as exc:
+            call.timed_out = isinstance(exc, UpstreamTimeout)
             return _BROKEN  # reset, or no byte for `upstream_timeout_seconds`
         return _DONE if relay.done else _BROKEN
 

@@ -6,12 +6,20 @@ references become SHA-256 digests (tenant keys) or in-memory values (spill-over 
 through the API server instead of mounted files, because the Secrets live in the tenants'
 namespaces and a pod can only mount its own.
 
-Trust: a route is written by whoever may write ConfigMaps in its namespace, so it may only
-reference Secrets of that same namespace (the gateway can read Secrets everywhere), never
-files or environment variables of the gateway; and a tenant belongs to the first namespace
-that names it (ordered by namespace, then name), so another namespace cannot add a key to
-someone else's tenant. A route that breaks a rule is rejected whole, with a reason; the rest
-are served.
+Trust: whoever may write ConfigMaps in a namespace can write something that looks like a
+route, so a route is served only when
+- the operator signed it (`servefleet.api.route_signature`: HMAC over its namespace, name,
+  owner and data with the key the chart shares between operator and gateway) and an
+  LLMDeployment of its namespace owns it (controller ownerReference, part of the signature);
+- its replicas come only from service discovery of a Service in its own namespace (no
+  static endpoints), its tokenizer is a built-in name (never a file of the gateway's), and it
+  references only Secrets of its own namespace (never the gateway's files or environment).
+Its tenants and deployments are visible only within its namespace: they are renamed
+`<namespace>/<name>` (`conventions.route_scoped`; so are the metrics and stats series), a
+tenant reaches only its own namespace's deployments, so no other namespace can squat a
+tenant, deployment or model name. A route that breaks a rule is rejected whole, with a
+reason; the rest are served. A spill-over target that is not a public address (unless the
+admin allows it, `spill_guard`) turns that deployment's spill-over off, with a warning.
 """
 
 from __future__ import annotations
@@ -23,7 +31,13 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, ValidationError
 
-from servefleet.api.conventions import ROUTE_GATEWAY_KEY, SECRETS_MOUNT
+from servefleet.api.builtin_models import BUILTIN_MODELS
+from servefleet.api.conventions import (
+    ANNOTATION_ROUTE_SIGNATURE,
+    ROUTE_GATEWAY_KEY,
+    SECRETS_MOUNT,
+    route_scoped,
+)
 from servefleet.api.gateway_config import (
     ApiKeyRef,
     GatewayConfig,
@@ -31,6 +45,8 @@ from servefleet.api.gateway_config import (
     GatewayTenant,
     SecretValueRef,
 )
+from servefleet.api.llmdeployment import API_GROUP, KIND
+from servefleet.api.route_signature import signature_matches
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -62,17 +78,64 @@ class RouteError(ValueError):
     """A route that cannot be served; the message says why (and never holds a key)."""
 
 
-def parse_route(configmap: Mapping[str, Any]) -> Route:
+def _owner_uid(meta: Mapping[str, Any]) -> str | None:
+    """The uid of the LLMDeployment that controls the object, or None."""
+    owners = [
+        ref
+        for ref in meta.get("ownerReferences") or []
+        if isinstance(ref, Mapping)
+        and ref.get("controller") is True
+        and ref.get("kind") == KIND
+        and str(ref.get("apiVersion", "")).startswith(f"{API_GROUP}/")
+        and ref.get("uid")
+    ]
+    return str(owners[0]["uid"]) if len(owners) == 1 else None
+
+
+def _check_signed(meta: Mapping[str, Any], data: Mapping[str, Any], key: bytes) -> None:
+    namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+    owner = _owner_uid(meta)
+    if owner is None:
+        raise RouteError(f"{namespace}/{name}: not owned by an LLMDeployment of its namespace")
+    signature = (meta.get("annotations") or {}).get(ANNOTATION_ROUTE_SIGNATURE)
+    if not isinstance(signature, str):
+        raise RouteError(f"{namespace}/{name}: unsigned (not rendered by the operator)")
+    text = {str(k): str(v) for k, v in data.items()}
+    if not signature_matches(key, signature, namespace, name, owner, text):
+        raise RouteError(
+            f"{namespace}/{name}: bad signature (not rendered by the operator, or changed since)"
+        )
+
+
+def _check_sources(route: Route) -> None:
+    """Replicas only from a Service of the route's namespace; tokenizers only built-in."""
+    for deployment in route.config.deployments:
+        where = f"{route.id}: deployment {deployment.name}"
+        if deployment.endpoints:
+            raise RouteError(f"{where}: static endpoints are not allowed in routes")
+        service = deployment.service
+        if service is None or service.namespace != route.namespace:
+            raise RouteError(f"{where}: replicas must come from a Service of {route.namespace}")
+        if deployment.tokenizer is not None and deployment.tokenizer not in BUILTIN_MODELS:
+            raise RouteError(f"{where}: tokenizer must be a built-in model name")
+
+
+def parse_route(configmap: Mapping[str, Any], signing_key: bytes) -> Route:
+    """A route the operator rendered, checked (signature, owner, sources); else RouteError."""
     meta = configmap.get("metadata") or {}
     namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
-    text = (configmap.get("data") or {}).get(ROUTE_GATEWAY_KEY)
+    data = configmap.get("data") or {}
+    _check_signed(meta, data, signing_key)
+    text = data.get(ROUTE_GATEWAY_KEY)
     if text is None:
         raise RouteError(f"{namespace}/{name}: no {ROUTE_GATEWAY_KEY}")
     try:
         config = GatewayConfig.model_validate(yaml.safe_load(text) or {})
     except (yaml.YAMLError, ValidationError) as exc:
         raise RouteError(f"{namespace}/{name}: invalid {ROUTE_GATEWAY_KEY}: {exc}") from None
-    return Route(namespace, name, config)
+    route = Route(namespace, name, config)
+    _check_sources(route)
+    return route
 
 
 def secret_path(ref: SecretValueRef, namespace: str, mount: str = SECRETS_MOUNT) -> SecretKeyPath:
@@ -117,12 +180,17 @@ class ResolvedSecrets:
 
 
 def resolve_route(
-    route: Route, secrets: ResolvedSecrets, mount: str = SECRETS_MOUNT
+    route: Route,
+    secrets: ResolvedSecrets,
+    mount: str = SECRETS_MOUNT,
+    spill_problems: Mapping[str, str] | None = None,
 ) -> tuple[GatewayConfig, list[str]]:
     """The route with every reference replaced, and warnings for the ones not available.
 
     A tenant none of whose keys is available is left out (its requests get 401 until the
-    Secret exists); a deployment whose spill-over key is missing runs without spill-over.
+    Secret exists); a deployment whose spill-over key is missing runs without spill-over, and
+    so does one whose target `spill_problems` refuses (base URL -> why, from `spill_guard`;
+    the caller logs those, once).
     """
     warnings: list[str] = []
     tenants: list[GatewayTenant] = []
@@ -144,7 +212,11 @@ def resolve_route(
     deployments: list[GatewayDeployment] = []
     for deployment in route.config.deployments:
         update: dict[str, Any] = {"tenants": [a for a in deployment.tenants if a.name in served]}
-        if deployment.spillover_api_key is not None:
+        spill_url = deployment.spillover.base_url if deployment.spillover else None
+        refused = (spill_problems or {}).get(spill_url or "")
+        if refused is not None:
+            update |= {"spillover": None, "spillover_api_key": None}
+        elif deployment.spillover_api_key is not None:
             path = secret_path(deployment.spillover_api_key, route.namespace, mount)
             value = secrets.values.get(path)
             if value is None:
@@ -171,40 +243,56 @@ class MergeResult:
     rejected: dict[str, str]  # route id -> reason
 
 
+def scope_route(route: Route, config: GatewayConfig) -> GatewayConfig:
+    """The route's tenants and deployments renamed `<namespace>/<name>`: a tenant of a
+    route reaches only deployments of its namespace, and names never meet across them."""
+
+    def scoped(name: str) -> str:
+        return route_scoped(route.namespace, name)
+
+    tenants = [t.model_copy(update={"name": scoped(t.name)}) for t in config.tenants]
+    deployments = [
+        d.model_copy(
+            update={
+                "name": scoped(d.name),
+                "tenants": [a.model_copy(update={"name": scoped(a.name)}) for a in d.tenants],
+            }
+        )
+        for d in config.deployments
+    ]
+    return config.model_copy(update={"tenants": tenants, "deployments": deployments})
+
+
 def merge_routes(base: GatewayConfig, routes: Iterable[tuple[Route, GatewayConfig]]) -> MergeResult:
     """The base config plus every resolved route that fits, in (namespace, name) order.
 
-    A route is rejected whole when it names a deployment or model already served, claims a
-    tenant of another namespace (or of the base config), or gives a tenant of its namespace
-    different tenant-wide limits than an earlier route did.
+    A route is rejected whole when it names a deployment already served, takes a name of the
+    base config, gives a tenant different tenant-wide limits than an earlier route of its
+    namespace did, or would serve one of its tenants a model name twice.
     """
-    owner: dict[str, str | None] = {t.name: None for t in base.tenants}
+    reserved = {t.name for t in base.tenants}
     tenants: dict[str, GatewayTenant] = {t.name: t for t in base.tenants}
     deployments: list[GatewayDeployment] = list(base.deployments)
     served: list[str] = []
     rejected: dict[str, str] = {}
     for route, config in sorted(routes, key=lambda pair: (pair[0].namespace, pair[0].name)):
         try:
-            merged_tenants = _merge_tenants(tenants, owner, route.namespace, config.tenants)
+            scoped = scope_route(route, config)
+            merged_tenants = _merge_tenants(tenants, reserved, route.namespace, scoped.tenants)
             names = {d.name for d in deployments}
-            models = {d.model for d in deployments}
-            for deployment in config.deployments:
+            for deployment in scoped.deployments:
                 if deployment.name in names:
                     raise RouteError(f"deployment {deployment.name} is already served")
-                if deployment.model in models:
-                    raise RouteError(f"model {deployment.model} is already served")
             candidate = base.model_copy(
                 update={
                     "tenants": list(merged_tenants.values()),
-                    "deployments": [*deployments, *config.deployments],
+                    "deployments": [*deployments, *scoped.deployments],
                 }
             )
             GatewayConfig.model_validate(candidate.model_dump())  # cross-reference checks
         except (RouteError, ValidationError) as exc:
             rejected[route.id] = str(exc)
             continue
-        for tenant in config.tenants:
-            owner.setdefault(tenant.name, route.namespace)
         tenants = merged_tenants
         deployments = list(candidate.deployments)
         served.append(route.id)
@@ -214,20 +302,20 @@ def merge_routes(base: GatewayConfig, routes: Iterable[tuple[Route, GatewayConfi
 
 def _merge_tenants(
     tenants: Mapping[str, GatewayTenant],
-    owner: Mapping[str, str | None],
+    reserved: set[str],
     namespace: str,
     new: Iterable[GatewayTenant],
 ) -> dict[str, GatewayTenant]:
+    """Scoped tenants of one route added; one of an earlier route of the same namespace gets
+    this route's keys too (same limits required)."""
     merged = dict(tenants)
     for tenant in new:
         known = merged.get(tenant.name)
         if known is None:
             merged[tenant.name] = tenant
             continue
-        holder = owner.get(tenant.name)
-        if holder != namespace:
-            where = "the gateway's base config" if holder is None else f"namespace {holder}"
-            raise RouteError(f"tenant {tenant.name} belongs to {where}")
+        if tenant.name in reserved:
+            raise RouteError(f"tenant {tenant.name} belongs to the gateway's base config")
         if known.limits != tenant.limits:
             raise RouteError(
                 f"tenant {tenant.name}: tenant-wide limits differ from another route in {namespace}"

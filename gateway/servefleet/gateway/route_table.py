@@ -17,7 +17,8 @@ from servefleet.api.gateway_config import GatewayConfig, GatewayDeployment
 from servefleet.api.llmdeployment import TenantLimits
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.limits import Limiter, LimitPolicy, LimitScope, LocalLimiter
-from servefleet.gateway.limits_redis import FailoverLimiter, RedisLimiter
+from servefleet.gateway.limits_failover import FailoverLimiter
+from servefleet.gateway.limits_redis import RedisLimiter
 from servefleet.gateway.metrics import GatewayMetrics, TenantModelMetrics
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.prompt import PromptReader
@@ -209,7 +210,12 @@ def make_limiter(
         metrics.limits_degraded.set(1)
 
     return FailoverLimiter(
-        RedisLimiter(redis.url, key_prefix=redis.key_prefix, timeout_s=redis.timeout_seconds),
+        RedisLimiter(
+            redis.url,
+            key_prefix=redis.key_prefix,
+            timeout_s=redis.timeout_seconds,
+            password=redis.password.read() if redis.password is not None else None,
+        ),
         LocalLimiter(clock=clock),
         share=1.0 / redis.gateway_replicas,
         on_error=on_error,

@@ -14,6 +14,10 @@ from pathlib import Path
 from servefleet.api.engines import EngineListen, engine_adapter
 from servefleet.api.llmdeployment import LLMDeploymentSpec
 
+# Local engines listen on loopback only, whatever address the gateway has: nothing on this
+# machine's network reaches them, and what runs on it needs the run's engine key.
+ENGINE_HOST = "127.0.0.1"
+
 
 class LocalModeError(ValueError):
     """A spec that local mode cannot run; the message says what to change."""

@@ -1,11 +1,19 @@
 """The whole control plane on one machine: gateway and autoscalers in process, engines as
-child processes. The same code paths as on Kubernetes, minus the API server."""
+child processes. The same code paths as on Kubernetes, minus the API server.
+
+Secure by default, as on Kubernetes: every engine listens on 127.0.0.1 only and requires a
+key generated for this run (handed to each engine in its environment, never on its command
+line, where `ps` would show it), which only the gateway holds; the gateway serves with the
+head and body deadlines of `servefleet.api.http_protocol`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -15,8 +23,11 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from servefleet.api.gateway_config import ResolvedSecretKeys, render_gateway_config
-from servefleet.api.llmdeployment import LLMDeployment, LLMDeploymentSpec
+from servefleet.api.engines import engine_adapter
+from servefleet.api.gateway_config import GatewayConfig
+from servefleet.api.gateway_render import ResolvedSecretKeys, render_gateway_config
+from servefleet.api.http_protocol import BoundedHeadProtocol
+from servefleet.api.llmdeployment import LLMDeployment, LLMDeploymentSpec, SecretKeyRef
 from servefleet.autoscaler.controller import DeploymentAutoscaler
 from servefleet.autoscaler.observe import InProcessGatewaySource, observe_deployment
 from servefleet.autoscaler.signals import Observation
@@ -26,13 +37,18 @@ from servefleet.gateway.app import Gateway
 
 from .actuator import LocalActuator
 from .capacity import LocalCapacity
-from .engine_command import engine_command
+from .engine_command import ENGINE_HOST, engine_command
 from .supervisor import DeploymentSupervisor
 from .tenants import LocalTenants
 
 log = logging.getLogger(__name__)
 
 EngineCommand = Callable[[LLMDeploymentSpec, str, int], list[str]]
+
+# The run's engine key, as the gateway config's Secret reference names it (never a Secret).
+ENGINE_KEY_REF = SecretKeyRef(name="servefleet-local-engine", key="api-key")
+# Where the internal API may point replicas: the engines listen nowhere else.
+LOOPBACK_NETWORKS = [f"{ENGINE_HOST}/32"]
 
 
 class _QuietServer(uvicorn.Server):
@@ -70,25 +86,48 @@ class LocalControlPlane:
     _server: uvicorn.Server | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _client: httpx.AsyncClient | None = None
+    # A fresh key per run: engines require it, only the gateway sends it.
+    engine_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def base_url(self) -> str:
         return f"http://{self.options.host}:{self.options.port}/v1"
 
-    async def start(self) -> None:
+    def gateway_config(self) -> GatewayConfig:
+        """The gateway's config: engines behind this run's key, replicas on loopback only."""
         opts = self.options
-        config = render_gateway_config(
+
+        def resolve(ref: SecretKeyRef) -> str | None:
+            return self.engine_key if ref == ENGINE_KEY_REF else self.tenants.resolve(ref)
+
+        return render_gateway_config(
             self.deployments,
             endpoints={},
-            key_source=ResolvedSecretKeys(self.tenants.resolve),
+            key_source=ResolvedSecretKeys(resolve),
+            engine_keys={dep.name: ENGINE_KEY_REF for dep in self.deployments},
             host=opts.host,
             port=opts.port,
+            allowed_replica_networks=LOOPBACK_NETWORKS,
         )
-        gateway = Gateway(config)
+
+    def engine_env(self, spec: LLMDeploymentSpec) -> dict[str, str]:
+        """An engine's environment: ours (or the options'), plus the key it must require."""
+        env = dict(os.environ if self.options.env is None else self.options.env)
+        env[engine_adapter(spec.engine.kind).api_key_env] = self.engine_key
+        return env
+
+    async def start(self) -> None:
+        opts = self.options
+        gateway = Gateway(self.gateway_config())
         self.gateway = gateway
         self._server = _QuietServer(
             uvicorn.Config(
-                gateway, host=opts.host, port=opts.port, log_config=None, log_level="warning"
+                gateway,
+                host=opts.host,
+                port=opts.port,
+                log_config=None,
+                log_level="warning",
+                http=BoundedHeadProtocol,  # slow or huge heads and slow bodies are cut
             )
         )
         sockets = [opts.listener] if opts.listener is not None else None
@@ -109,11 +148,11 @@ class LocalControlPlane:
         opts, spec, name = self.options, dep.spec, dep.name
         supervisor = DeploymentSupervisor(
             name,
-            lambda port: opts.engine_command(spec, opts.host, port),
-            host=opts.host,
+            lambda port: opts.engine_command(spec, ENGINE_HOST, port),
+            host=ENGINE_HOST,  # whatever address the gateway listens on
             log_dir=opts.log_dir,
             on_change=lambda endpoints, ready: gateway.set_replicas(name, endpoints, ready),
-            env=opts.env,
+            env=self.engine_env(spec),
             ready_timeout_s=spec.engine.startup_timeout_seconds,
             stop_timeout_s=opts.stop_timeout_s,
         )

@@ -1,16 +1,19 @@
 """Who may talk to engine pods, and with what they run. Pure.
 
 Engine pods serve without the gateway's keys and limits, so three fences keep the
-gateway the only door: a NetworkPolicy (only the chart's gateway and autoscaler pods, and
-pods labelled LABEL_ENGINE_CLIENT such as Prometheus, reach the engine port), an engine API
-key from a Secret (the gateway sends it as a Bearer token; /health, /ready and /metrics stay
-open for probes and scrapes), and a restricted securityContext like the chart's own pods.
+gateway the only door: a NetworkPolicy (only the chart's gateway and autoscaler pods, found
+by their labels *in the chart's namespace*, and any pod of the namespaces the admin names
+for Prometheus, reach the engine port; a label a pod gives itself elsewhere admits
+nothing), an engine API key from a Secret (the gateway sends it as a Bearer token; /health,
+/ready and /metrics stay open for probes and scrapes), and a restricted securityContext:
+every container non-root with a read-only root filesystem, no service-account token.
 """
 
 from __future__ import annotations
 
 import base64
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from servefleet.api.api_model import SecretKeyRef
@@ -19,10 +22,12 @@ from servefleet.api.conventions import (
     CHART_COMPONENT_GATEWAY,
     ENGINE_KEY_SECRET_KEY,
     ENGINE_PORT_NAME,
+    ENGINE_USER,
     LABEL_APP_COMPONENT,
     LABEL_APP_PART_OF,
-    LABEL_ENGINE_CLIENT,
+    LABEL_NAMESPACE_NAME,
     PART_OF,
+    SCRATCH_MOUNT,
     engine_key_secret_name,
     engine_selector,
 )
@@ -71,21 +76,40 @@ def engine_key_env(dep: LLMDeployment, adapter: EngineAdapter) -> list[dict[str,
     ]
 
 
-def _peer(component: str) -> dict[str, Any]:
-    """The chart's pods of one component, in any namespace (the chart's is not known here)."""
+@dataclass(frozen=True)
+class EnginePeers:
+    """Who may reach engine pods besides nothing: the chart's namespace (its gateway and
+    autoscaler pods) and the namespaces the admin names for Prometheus."""
+
+    system_namespace: str
+    metrics_namespaces: tuple[str, ...] = ()
+
+
+def _chart_pods(component: str, namespace: str) -> dict[str, Any]:
+    """The chart's pods of one component, in the chart's namespace only. The namespace is
+    selected by `kubernetes.io/metadata.name`, which the API server sets and nobody else
+    can, and only the platform admin may create pods there, so the labels cannot be forged."""
     return {
-        "namespaceSelector": {},
+        "namespaceSelector": {"matchLabels": {LABEL_NAMESPACE_NAME: namespace}},
         "podSelector": {
             "matchLabels": {LABEL_APP_PART_OF: PART_OF, LABEL_APP_COMPONENT: component}
         },
     }
 
 
-def network_policy(dep: LLMDeployment, meta: dict[str, Any]) -> dict[str, Any]:
-    """Ingress to the engine pods only from the gateway, the autoscaler and labelled clients.
+def network_policy(dep: LLMDeployment, meta: dict[str, Any], peers: EnginePeers) -> dict[str, Any]:
+    """Ingress to the engine pods only from the gateway, the autoscaler and Prometheus.
 
     Ingress only: engines still reach model sources and the kubelet still probes them.
     """
+    sources = [
+        _chart_pods(CHART_COMPONENT_GATEWAY, peers.system_namespace),
+        _chart_pods(CHART_COMPONENT_AUTOSCALER, peers.system_namespace),
+    ]
+    if peers.metrics_namespaces:
+        names = sorted(set(peers.metrics_namespaces))
+        selector = {"key": LABEL_NAMESPACE_NAME, "operator": "In", "values": names}
+        sources.append({"namespaceSelector": {"matchExpressions": [selector]}})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -94,33 +118,39 @@ def network_policy(dep: LLMDeployment, meta: dict[str, Any]) -> dict[str, Any]:
             "podSelector": {"matchLabels": engine_selector(dep.name)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {
-                    "from": [
-                        _peer(CHART_COMPONENT_GATEWAY),
-                        _peer(CHART_COMPONENT_AUTOSCALER),
-                        {
-                            "namespaceSelector": {},
-                            "podSelector": {"matchLabels": {LABEL_ENGINE_CLIENT: "true"}},
-                        },
-                    ],
-                    "ports": [{"port": ENGINE_PORT_NAME, "protocol": "TCP"}],
-                }
+                {"from": sources, "ports": [{"port": ENGINE_PORT_NAME, "protocol": "TCP"}]}
             ],
         },
     }
 
 
-def pod_security(adapter: EngineAdapter) -> dict[str, Any]:
-    """The pod's securityContext: non-root where the image allows it, default seccomp."""
-    context: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
-    if adapter.run_as_user is not None:
-        context |= {"runAsNonRoot": True, "runAsUser": adapter.run_as_user}
-    return context
-
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": ENGINE_USER,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""The engine pod's securityContext: every engine kind runs as ENGINE_USER (vLLM's and
+SGLang's images would run as root)."""
 
 CONTAINER_SECURITY: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
 }
-"""Every engine-pod container's securityContext. The root filesystem stays writable:
-engines write compile caches (Triton, torch) under their home directory."""
+"""Every engine-pod container's securityContext. What engines write (compile caches, HOME,
+temporary files) goes to the scratch emptyDir at SCRATCH_MOUNT (`scratch_env`)."""
+
+SCRATCH_ENV: dict[str, str] = {
+    "HOME": SCRATCH_MOUNT,
+    "XDG_CACHE_HOME": f"{SCRATCH_MOUNT}/.cache",
+    # torch and getpass look the user up by name; ENGINE_USER has no passwd entry in
+    # vLLM's and SGLang's images.
+    "USER": "servefleet",
+}
+
+
+def scratch_env(dep: LLMDeployment) -> list[dict[str, Any]]:
+    """HOME and caches in the scratch volume (a name the user's env sets is left to it)."""
+    own = {var.name for var in dep.spec.engine.env}
+    return [{"name": k, "value": v} for k, v in SCRATCH_ENV.items() if k not in own]

@@ -15,15 +15,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretBytes, ValidationError
 
-from servefleet.api.conventions import FIELD_MANAGER_OPERATOR
+from servefleet.api.conventions import FIELD_MANAGER_OPERATOR, POD_DELETION_COST
 from servefleet.api.fetch_progress import FETCH_CONTAINER
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
 from servefleet.kube import KubeClient, KubeError
 from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, PODS, SERVICE_MONITORS
 from servefleet.operator import render
 from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
+from servefleet.operator.policy import default_allowed_images
 from servefleet.operator.status import (
     EventSpec,
     Observed,
@@ -47,6 +48,23 @@ class OperatorSettings(BaseModel):
     gateway_url: str = Field(description="Base URL of the gateway Service, for status.endpoint.")
     image_pull_policy: str = Field(
         default="IfNotPresent", description="Pull policy of engine pods."
+    )
+    route_signing_key: SecretBytes = Field(
+        description="HMAC key of the route ConfigMaps (the gateway serves only signed ones)."
+    )
+    system_namespace: str = Field(
+        default="servefleet",
+        description="The chart's namespace: engine pods admit its gateway and autoscaler pods.",
+    )
+    metrics_namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces whose pods (Prometheus) may scrape engines."
+    )
+    allowed_images: list[str] = Field(
+        default_factory=lambda: list(default_allowed_images()),
+        description="Engine images teams may use besides engine_image (see policy).",
+    )
+    host_path_prefixes: list[str] = Field(
+        default_factory=list, description="Node folders a hostPath cache may be in or under."
     )
     resync_seconds: float = Field(default=30.0, gt=0, description="Drift-repair period per object.")
     service_monitor_check_seconds: float = Field(
@@ -72,7 +90,12 @@ class Reconciler:
         self.render_settings = render.RenderSettings(
             engine_image=settings.engine_image,
             gateway_url=settings.gateway_url,
+            route_signing_key=settings.route_signing_key.get_secret_value(),
             image_pull_policy=settings.image_pull_policy,
+            system_namespace=settings.system_namespace,
+            metrics_namespaces=tuple(settings.metrics_namespaces),
+            allowed_images=tuple(settings.allowed_images),
+            host_path_prefixes=tuple(settings.host_path_prefixes),
         )
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._service_monitor: tuple[float, bool] | None = None
@@ -104,27 +127,55 @@ class Reconciler:
         return self._service_monitor[1]
 
     async def reconcile(self, dep: LLMDeployment) -> None:
-        """Apply every child, then write status. Raises kopf.TemporaryError to retry."""
+        """Apply every child, then write status. Raises kopf.TemporaryError to retry.
+
+        A spec the admin's lists refuse (`policy`) applies nothing, so what runs keeps the
+        last accepted spec; Degraded and a Warning Event say why (no retry: the drift-repair
+        pass looks again, e.g. after the lists changed)."""
         async with self._lock(dep.namespace, dep.name):
-            error: str | None = None
-            children = render.children(
-                dep, self.render_settings, await self._with_service_monitor()
-            )
-            try:
-                await self._ensure_engine_key(dep)
-                await self._ensure_replicas(dep)
-            except KubeError as exc:
-                error = f"preparing {dep.name}: {exc.message}"
-                children = []
-            for obj in children:
-                try:
-                    await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
-                except KubeError as exc:
-                    error = f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
-                    break
-            await self._write_status(dep, error)
+            refused = render.refusal(dep, self.render_settings)
+            error = None if refused is not None else await self._apply_children(dep)
+            why = None if refused is None else (refused.reason, refused.message)
+            await self._write_status(dep, error, why)
+        if refused is not None:
+            log.warning("%s/%s refused: %s", dep.namespace, dep.name, refused.message)
         if error:
             raise kopf.TemporaryError(error, delay=10)
+
+    async def _apply_children(self, dep: LLMDeployment) -> str | None:
+        """The engine key, spec.replicas, deletion costs, then every child; the error, if any."""
+        children = render.children(dep, self.render_settings, await self._with_service_monitor())
+        try:
+            await self._ensure_engine_key(dep)
+            await self._ensure_replicas(dep)
+        except KubeError as exc:
+            return f"preparing {dep.name}: {exc.message}"
+        await self._apply_deletion_costs(dep)
+        for obj in children:
+            try:
+                await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
+            except KubeError as exc:
+                return f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
+        return None
+
+    async def _apply_deletion_costs(self, dep: LLMDeployment) -> None:
+        """Copy the autoscaler's ranking (status.podDeletionCosts) onto this deployment's own
+        engine pods, before the engine Deployment is scaled: the ReplicaSet then removes the
+        idlest replica. Best effort: without it the ReplicaSet picks by its own rules."""
+        costs = {c.pod: str(c.cost) for c in dep.status.pod_deletion_costs}
+        if not costs:
+            return
+        try:
+            listed = await self.client.list(PODS, dep.namespace, render.selector_string(dep))
+            for pod in listed.items:
+                meta = pod.get("metadata", {})
+                name, annotations = meta.get("name"), meta.get("annotations") or {}
+                if name not in costs or annotations.get(POD_DELETION_COST) == costs[name]:
+                    continue
+                patch = {"metadata": {"annotations": {POD_DELETION_COST: costs[name]}}}
+                await self.client.patch(PODS, dep.namespace, name, patch, FIELD_MANAGER_OPERATOR)
+        except KubeError as exc:
+            log.warning("deletion costs of %s/%s: %s", dep.namespace, dep.name, exc)
 
     async def _ensure_replicas(self, dep: LLMDeployment) -> None:
         """Give an unset spec.replicas its value (the warm minimum) through the scale subresource.
@@ -209,7 +260,9 @@ class Reconciler:
         """Recompute status from the cluster (after an engine Deployment changed)."""
         async with self._lock(namespace, name):
             if dep := await self._read_live(namespace, name):
-                await self._write_status(dep, None)
+                refused = render.refusal(dep, self.render_settings)
+                why = None if refused is None else (refused.reason, refused.message)
+                await self._write_status(dep, None, why)
 
     async def _observe_fetches(
         self, dep: LLMDeployment
@@ -231,10 +284,12 @@ class Reconciler:
             return None, {}
         return pods, logs
 
-    async def _write_status(self, dep: LLMDeployment, error: str | None) -> None:
+    async def _write_status(
+        self, dep: LLMDeployment, error: str | None, refused: tuple[str, str] | None = None
+    ) -> None:
         deployment = await self.client.get(DEPLOYMENTS, dep.namespace, render.engine_name(dep))
         pods, logs = await self._observe_fetches(dep)
-        observed = Observed(deployment, error, pods=pods, fetch_logs=logs)
+        observed = Observed(deployment, error, refused, pods=pods, fetch_logs=logs)
         new = compute_status(dep, observed, self.endpoint, _now())
         if status_patch(new) == status_patch(dep.status):
             return

@@ -9,12 +9,14 @@ autoscaler makes the idlest replica the one removed on scale-down).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from servefleet.api.conventions import (
+    ANNOTATION_ROUTE_SIGNATURE,
     COMPONENT_ENGINE,
     COMPONENT_GATEWAY_ROUTE,
     ENGINE_APP_NAME,
@@ -31,6 +33,8 @@ from servefleet.api.conventions import (
     LABEL_GATEWAY_ROUTE,
     PART_OF,
     ROUTE_GATEWAY_KEY,
+    SCRATCH_MOUNT,
+    SCRATCH_VOLUME,
     SECRETS_MOUNT,
     SHM_MOUNT,
     SHM_VOLUME,
@@ -40,23 +44,37 @@ from servefleet.api.conventions import (
     label_selector,
     route_object_name,
 )
-from servefleet.api.engines import EngineAdapter, engine_adapter
-from servefleet.api.gateway_config import MountedSecretKeys, ServiceRef, render_gateway_config
+from servefleet.api.engines import engine_adapter
+from servefleet.api.gateway_config import ServiceRef
+from servefleet.api.gateway_render import MountedSecretKeys, render_gateway_config
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
+from servefleet.api.route_signature import route_signature
 from servefleet.operator.isolation import (
     CONTAINER_SECURITY,
+    POD_SECURITY,
+    EnginePeers,
     engine_key_env,
     engine_key_ref,
     engine_key_secret,
     network_policy,
-    pod_security,
+    scratch_env,
 )
 from servefleet.operator.model_init import model_location
 from servefleet.operator.placement import placement
-
-PROBE_PERIOD_SECONDS = 5
-# Time between SIGKILL and the end of the engine's own drain, for the process to exit.
-EXIT_GRACE_SECONDS = 10
+from servefleet.operator.pod_parts import (
+    EXIT_GRACE_SECONDS,
+    probes,
+    resources,
+    seed_container,
+    user_env,
+)
+from servefleet.operator.policy import (
+    ClusterPolicy,
+    Refusal,
+    default_allowed_images,
+    engine_image,
+)
+from servefleet.operator.policy import refusal as policy_refusal
 
 
 @dataclass(frozen=True)
@@ -65,7 +83,25 @@ class RenderSettings:
 
     engine_image: str
     gateway_url: str
+    route_signing_key: bytes = field(repr=False)
     image_pull_policy: str = "IfNotPresent"
+    system_namespace: str = "servefleet"
+    metrics_namespaces: tuple[str, ...] = ()
+    allowed_images: tuple[str, ...] = field(default_factory=default_allowed_images)
+    host_path_prefixes: tuple[str, ...] = ()
+
+    @property
+    def policy(self) -> ClusterPolicy:
+        return ClusterPolicy(self.engine_image, self.allowed_images, self.host_path_prefixes)
+
+    @property
+    def peers(self) -> EnginePeers:
+        return EnginePeers(self.system_namespace, self.metrics_namespaces)
+
+
+def refusal(dep: LLMDeployment, settings: RenderSettings) -> Refusal | None:
+    """Why the admin's lists refuse this deployment (nothing is rendered then), or None."""
+    return policy_refusal(dep, settings.policy)
 
 
 def engine_name(dep: LLMDeployment) -> str:
@@ -124,65 +160,23 @@ def _meta(
 # --------------------------------------------------------------------------- engine pods
 
 
-def _env(dep: LLMDeployment) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for var in dep.spec.engine.env:
-        if var.secret_key_ref is not None:
-            ref = var.secret_key_ref
-            out.append(
-                {
-                    "name": var.name,
-                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-                }
-            )
-        else:
-            out.append({"name": var.name, "value": var.value or ""})
-    return out
-
-
-def _resources(dep: LLMDeployment) -> dict[str, Any]:
-    res = dep.spec.engine.resources
-    out: dict[str, Any] = {}
-    if res.requests:
-        out["requests"] = {k: str(v) for k, v in sorted(res.requests.items())}
-    if res.limits:
-        out["limits"] = {k: str(v) for k, v in sorted(res.limits.items())}
-    return out
-
-
-def _probes(adapter: EngineAdapter, startup_timeout: int) -> dict[str, Any]:
-    def http(path: str) -> dict[str, Any]:
-        return {"path": path, "port": ENGINE_PORT_NAME}
-
-    return {
-        # Slow model loads get the whole startupTimeoutSeconds before liveness counts.
-        "startupProbe": {
-            "httpGet": http(adapter.live_path),
-            "periodSeconds": PROBE_PERIOD_SECONDS,
-            "failureThreshold": max(1, -(-startup_timeout // PROBE_PERIOD_SECONDS)),
-        },
-        # Ready means the model is loaded and warm; a draining engine answers 503 here.
-        "readinessProbe": {
-            "httpGet": http(adapter.ready_path),
-            "periodSeconds": PROBE_PERIOD_SECONDS,
-            "failureThreshold": 2,
-        },
-        "livenessProbe": {
-            "httpGet": http(adapter.live_path),
-            "periodSeconds": 10,
-            "timeoutSeconds": 5,
-            "failureThreshold": 6,
-        },
-    }
-
-
 def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[str, Any]:
     engine = dep.spec.engine
     adapter = engine_adapter(engine.kind)
-    image = engine.image or adapter.default_image or settings.engine_image
-    model = model_location(dep.spec.model, settings.engine_image, settings.image_pull_policy)
-    model_arg, volumes, mounts = model.model_arg, model.volumes, model.mounts
-    init_containers = model.init_containers
+    image = engine_image(dep, settings.engine_image)
+    model = model_location(
+        dep.spec.model,
+        settings.engine_image,
+        settings.image_pull_policy,
+        settings.host_path_prefixes,
+    )
+    scratch = {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT}
+    volumes = [*model.volumes, {"name": SCRATCH_VOLUME, "emptyDir": {}}]
+    mounts = [*model.mounts, scratch]
+    init_containers = list(model.init_containers)
+    if adapter.image_scratch:
+        seed = seed_container(adapter, image, settings.image_pull_policy)
+        init_containers.insert(0, seed)
     if adapter.needs_shared_memory:
         volumes = [*volumes, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
         mounts = [*mounts, {"name": SHM_VOLUME, "mountPath": SHM_MOUNT}]
@@ -191,30 +185,31 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(adapter.command),
-        "args": adapter.args(dep.spec, model_arg, adapter.pod_listen(), api_key=True),
+        "args": adapter.args(dep.spec, model.model_arg, adapter.pod_listen(), api_key=True),
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": adapter.port, "protocol": "TCP"}],
-        **_probes(adapter, engine.startup_timeout_seconds),
-        "securityContext": CONTAINER_SECURITY,
+        **probes(adapter, engine.startup_timeout_seconds),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
+        "env": [*engine_key_env(dep, adapter), *scratch_env(dep), *user_env(dep)],
+        "volumeMounts": mounts,
     }
-    container["env"] = [*engine_key_env(dep, adapter), *_env(dep)]
-    if resources := _resources(dep):
-        container["resources"] = resources
-    if mounts:
-        container["volumeMounts"] = mounts
+    if limits := resources(dep):
+        container["resources"] = limits
     spec: dict[str, Any] = {
         "containers": [container],
+        "initContainers": [
+            {"securityContext": copy.deepcopy(CONTAINER_SECURITY), **c} for c in init_containers
+        ],
         # The engine drains in-flight requests on SIGTERM; give it that long, plus exit time.
         "terminationGracePeriodSeconds": engine.drain_timeout_seconds + EXIT_GRACE_SECONDS,
         "enableServiceLinks": False,
-        "securityContext": {**pod_security(adapter), **model.pod_security},
+        # Engines never call the Kubernetes API: no token to steal from them.
+        "automountServiceAccountToken": False,
+        "securityContext": {**copy.deepcopy(POD_SECURITY), **model.pod_security},
+        "volumes": volumes,
         **placement(dep),
     }
-    if init_containers:
-        spec["initContainers"] = [
-            {"securityContext": CONTAINER_SECURITY, **init} for init in init_containers
-        ]
-    if volumes:
-        spec["volumes"] = volumes
+    if not init_containers:
+        del spec["initContainers"]
     return {
         "metadata": {
             "labels": {**common_labels(dep), **selector_labels(dep), LABEL_ENGINE: engine.kind},
@@ -283,8 +278,9 @@ def pod_disruption_budget(dep: LLMDeployment) -> dict[str, Any]:
     }
 
 
-def engine_network_policy(dep: LLMDeployment) -> dict[str, Any]:
-    return network_policy(dep, _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}))
+def engine_network_policy(dep: LLMDeployment, settings: RenderSettings) -> dict[str, Any]:
+    meta = _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE})
+    return network_policy(dep, meta, settings.peers)
 
 
 def engine_key_secret_for(dep: LLMDeployment) -> dict[str, Any] | None:
@@ -328,27 +324,27 @@ def gateway_config(dep: LLMDeployment) -> dict[str, Any]:
     return result
 
 
-def gateway_route_configmap(dep: LLMDeployment) -> dict[str, Any]:
+def gateway_route_configmap(dep: LLMDeployment, signing_key: bytes) -> dict[str, Any]:
     """The route as a ConfigMap the gateway watches (ROUTE_LABEL_SELECTOR): ROUTE_GATEWAY_KEY
-    is this deployment's GatewayConfig fragment."""
+    is this deployment's GatewayConfig fragment, signed (ANNOTATION_ROUTE_SIGNATURE) over
+    its namespace, name, owner and data: the gateway serves no route the operator did not
+    render, whoever may write ConfigMaps in the namespace."""
 
     # Sorted keys and a fixed width: re-rendering an unchanged spec gives identical bytes,
-    # so server-side apply is a no-op and nothing churns.
+    # so server-side apply is a no-op and nothing churns (the HMAC is deterministic too).
     def dump(value: dict[str, Any]) -> str:
         return yaml.safe_dump(value, sort_keys=True, width=100)
 
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(
-            dep,
-            route_name(dep),
-            {LABEL_COMPONENT: COMPONENT_GATEWAY_ROUTE, LABEL_GATEWAY_ROUTE: "true"},
-        ),
-        "data": {
-            ROUTE_GATEWAY_KEY: dump(gateway_config(dep)),
-        },
-    }
+    meta = _meta(
+        dep,
+        route_name(dep),
+        {LABEL_COMPONENT: COMPONENT_GATEWAY_ROUTE, LABEL_GATEWAY_ROUTE: "true"},
+    )
+    data = {ROUTE_GATEWAY_KEY: dump(gateway_config(dep))}
+    owner = meta["ownerReferences"][0]["uid"]
+    signature = route_signature(signing_key, dep.namespace, meta["name"], owner, data)
+    meta["annotations"] = {ANNOTATION_ROUTE_SIGNATURE: signature}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
 def children(
@@ -356,11 +352,11 @@ def children(
 ) -> list[dict[str, Any]]:
     """Every child object of one LLMDeployment, in apply order."""
     objects = [
-        gateway_route_configmap(dep),
+        gateway_route_configmap(dep, settings.route_signing_key),
         headless_service(dep),
         engine_deployment(dep, settings),
         pod_disruption_budget(dep),
-        engine_network_policy(dep),
+        engine_network_policy(dep, settings),
     ]
     if with_service_monitor:
         objects.append(service_monitor(dep))

@@ -30,6 +30,8 @@ class Observed:
 
     deployment: dict[str, Any] | None
     reconcile_error: str | None = None
+    # The admin's lists refuse the spec (reason, message): nothing of it was applied.
+    refused: tuple[str, str] | None = None
     # Engine pods and their fetch logs, for ModelLoading; None: not read (keep the last).
     pods: list[dict[str, Any]] | None = None
     fetch_logs: dict[str, str] = field(default_factory=dict)
@@ -122,8 +124,10 @@ def _ready(r: _Rollout) -> Condition:
     return r.condition("Ready", False, "WarmPoolNotReady", message)
 
 
-def _progressing(r: _Rollout) -> Condition:
-    """Progressing: a rollout or a scale is under way."""
+def _progressing(r: _Rollout, observed: Observed) -> Condition:
+    """Progressing: a rollout or a scale is under way (never for a refused spec)."""
+    if observed.refused:
+        return r.condition("Progressing", False, observed.refused[0], "spec not applied")
     if not r.exists:
         return r.condition("Progressing", True, "Creating", "creating the engine Deployment")
     desired = r.desired
@@ -147,6 +151,8 @@ def _degraded(r: _Rollout, observed: Observed) -> Condition:
     """Degraded: something a person has to look at."""
     stalled = _deployment_condition(observed.deployment or {}, "Progressing")
     failure = _deployment_condition(observed.deployment or {}, "ReplicaFailure")
+    if observed.refused:
+        return r.condition("Degraded", True, *observed.refused)
     if observed.reconcile_error:
         return r.condition("Degraded", True, "ReconcileError", observed.reconcile_error)
     if stalled.get("reason") == "ProgressDeadlineExceeded":
@@ -168,7 +174,8 @@ def _scaling_limited(r: _Rollout, dep: LLMDeployment) -> Condition:
 def compute_status(
     dep: LLMDeployment, observed: Observed, endpoint: str, now: str
 ) -> LLMDeploymentStatus:
-    """The status the operator should write now (queueDepth is the autoscaler's and is kept)."""
+    """The status the operator should write now (queueDepth and podDeletionCosts are the
+    autoscaler's and are kept)."""
     r = _rollout(dep, observed, now)
     return LLMDeploymentStatus(
         observed_generation=r.generation,
@@ -177,11 +184,12 @@ def compute_status(
         ready_replicas=r.ready,
         warm_replicas=min(r.ready, r.min_replicas),
         queue_depth=dep.status.queue_depth,
+        pod_deletion_costs=dep.status.pod_deletion_costs,
         endpoint=endpoint,
         selector=selector_string(dep),
         conditions=[
             _ready(r),
-            _progressing(r),
+            _progressing(r, observed),
             _degraded(r, observed),
             _scaling_limited(r, dep),
             *_model_loading(r, dep, observed),
@@ -236,7 +244,9 @@ def transition_events(old: LLMDeploymentStatus, new: LLMDeploymentStatus) -> lis
 
 
 def status_patch(status: LLMDeploymentStatus) -> dict[str, Any]:
-    """A merge patch for the status subresource that leaves queueDepth to the autoscaler."""
+    """A merge patch for the status subresource that leaves the autoscaler's fields
+    (queueDepth, podDeletionCosts) to it."""
     body = status.model_dump(by_alias=True, exclude_none=True, mode="json")
     body.pop("queueDepth", None)
+    body.pop("podDeletionCosts", None)
     return {"status": body}

@@ -8,14 +8,26 @@ engine's conversion cache can store it and warm starts skip the rebuild.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from servefleet.text.gguf_metadata import GGUFFields, gguf_tokenizer_parts
 from servefleet.text.hf_folder import hf_tokenizer_parts
 from servefleet.text.tokenizer_spec import TokenizerSpec
+
+# We encode one text per call, so the library's thread pool buys nothing; set, it also keeps
+# the library from warning in every child process forked after a batch call (local mode's
+# engines, subprocesses), which it does when the variable is unset.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A normalizer may shrink text (NFKC turns a 4-byte letter into a 1-byte one), so one token
+# may then stand for more input bytes than its own spelling has.
+_NORMALIZED_SHRINK = 4
 
 
 class Tokenizer:
@@ -51,8 +63,14 @@ class Tokenizer:
 
     # -- use ---------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; special-token text (e.g. `<|im_start|>`) maps to its single id."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids; special-token text (e.g. `<|im_start|>`) maps to its single id.
+
+        Through the library's batch call, which releases the GIL while it works (the single
+        call holds it: a 5 MB text kept every other thread of the process waiting ~6 s), so a
+        long text tokenized on a worker thread leaves the event loop answering.
+        """
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -62,6 +80,23 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """At most how many input bytes one token stands for (computed once).
+
+        So a text of more than `n * longest_token_bytes` UTF-8 bytes has more than n tokens,
+        known before tokenizing it. Byte-level vocabularies spell each byte as one character;
+        other spellings (SentencePiece's `▁`, `<0x0A>`) only overcount, which loosens the bound.
+        """
+        byte_level = isinstance(self.backend.decoder, decoders.ByteLevel)
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        longest = 1
+        for token in self.backend.get_vocab(with_added_tokens=True):
+            spelled = len(token) if byte_level and token not in added else len(token.encode())
+            longest = max(longest, spelled)
+        shrink = 1 if self.backend.normalizer is None else _NORMALIZED_SHRINK
+        return longest * shrink
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -2,43 +2,50 @@
 
 Compiling a JSON schema against a 49k-token vocabulary takes milliseconds (see the engine
 README); the cache keys compiled grammars by their spec, least recently used out first, so
-a client that sends the same schema with every request compiles it once. Compilation runs
-where the request is admitted, so a bad schema or regex is a 400 before the engine sees it.
+a client that sends the same schema with every request compiles it once. A compile runs in
+a child process with the request's time budget (`compile_worker`), on the thread that prepares
+the request, so a bad schema or regex is a 400 before the engine sees it and a compile that
+would take minutes is cut at the budget.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 
 import xgrammar as xgr
 
-from servefleet.engine.structured.constraint import ConstraintError, ConstraintSpec
+from servefleet.engine.prepare_pool import Budget
+from servefleet.engine.structured.compile_worker import CompilePool
+from servefleet.engine.structured.constraint import ConstraintSpec
 from servefleet.engine.structured.vocabulary import xgrammar_tokenizer_info
 from servefleet.text.tokenizer import Tokenizer
 
-# JSON as compact as json.dumps writes it: a small model given free whitespace may spend
-# its whole budget on newlines inside an object.
-_SEPARATORS = (", ", ": ")
+DEFAULT_COMPILE_TIMEOUT_S = 60.0  # callers without a request budget (tests, tools)
 
 
 class GrammarCache:
     def __init__(self, tokenizer: Tokenizer, max_entries: int = 256) -> None:
-        self.compiler = xgr.GrammarCompiler(
-            xgrammar_tokenizer_info(tokenizer), max_threads=1, cache_enabled=False
-        )
+        self.pool = CompilePool(xgrammar_tokenizer_info(tokenizer))
         self.max_entries = max_entries
         self._compiled: OrderedDict[ConstraintSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
+    def cached(self, spec: ConstraintSpec) -> xgr.CompiledGrammar | None:
         with self._lock:
             hit = self._compiled.get(spec)
             if hit is not None:
                 self._compiled.move_to_end(spec)
-                return hit
-        compiled = self._compile(spec)
+            return hit
+
+    def compile(self, spec: ConstraintSpec, budget: Budget | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar; ConstraintError when invalid, CompileTimeout past the budget
+        (the request's, else `DEFAULT_COMPILE_TIMEOUT_S`)."""
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        budget = budget or Budget(DEFAULT_COMPILE_TIMEOUT_S)
+        compiled = self.pool.compile(spec, budget)
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > self.max_entries:
@@ -50,30 +57,3 @@ class GrammarCache:
 
     def __len__(self) -> int:
         return len(self._compiled)
-
-    def _compile(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
-        try:
-            return self._compile_kind(spec)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}
-            raise ConstraintError(
-                f"invalid {what.get(spec.kind, spec.kind)}: {str(exc).strip()[:500]}", spec.param
-            ) from exc
-
-    def _compile_kind(self, spec: ConstraintSpec) -> xgr.CompiledGrammar:
-        if spec.kind == "json_object":
-            return self.compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, separators=_SEPARATORS
-            )
-        if spec.kind == "json_schema":
-            json.loads(spec.value)  # a clear error for text that is not JSON at all
-            return self.compiler.compile_json_schema(
-                spec.value, any_whitespace=False, separators=_SEPARATORS, strict_mode=True
-            )
-        if spec.kind == "regex":
-            return self.compiler.compile_regex(spec.value)
-        if spec.kind == "choice":
-            choices = json.loads(spec.value)
-            rule = " | ".join(json.dumps(c) for c in choices)
-            return self.compiler.compile_grammar(f"root ::= {rule}")
-        return self.compiler.compile_grammar(spec.value)

@@ -1,10 +1,11 @@
 """The engine's structured-output service: request -> prompt inputs and compiled grammar.
 
-One per engine process. The routes call `prepare_chat` / `prepare_completion`, which turn
-`response_format`, `guided_*` and `tools` / `tool_choice` into what the chat template is
-given and the grammar the sequences decode under; anything that cannot be honoured is an
-OpenAI 400 naming the field. The grammar library's view of the vocabulary is built on the
-first constrained request (about a second for 49k tokens), so free-text serving pays nothing.
+One per engine process. `prepare_chat` turns `response_format`, `guided_*` and `tools` /
+`tool_choice` into what the chat template is given and the constraint the sequences decode
+under; `compile` turns a constraint into a grammar within the request's time budget (in a
+child process, `compile_worker`). Anything that cannot be honoured is an OpenAI 400 naming
+the field. The grammar library's view of the vocabulary is built on the first constrained
+request (about a second for 49k tokens), so free-text serving pays nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 from xgrammar import CompiledGrammar
 
 from servefleet.api.openai_requests import ChatCompletionRequest, SamplingRequest
+from servefleet.engine.prepare_pool import Budget, TooComplex
 from servefleet.engine.protocol import OpenAIError
+from servefleet.engine.structured.compile_worker import CompilerUnavailable, CompileTimeout
 from servefleet.engine.structured.constraint import (
     ConstraintError,
     ConstraintSpec,
@@ -37,7 +40,7 @@ class ChatPreparation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None  # for the template's `tools`; None when folded in
     tool_plan: ToolPlan | None
-    compiled_grammar: CompiledGrammar | None
+    constraint: ConstraintSpec | None  # compiled last, once the prompt is known to fit
 
 
 class StructuredOutputs:
@@ -61,16 +64,33 @@ class StructuredOutputs:
                 self._grammars = GrammarCache(self.tokenizer)
             return self._grammars
 
-    def compile(self, spec: ConstraintSpec | None) -> CompiledGrammar | None:
+    def warm_up(self) -> None:
+        """Start the compile processes now, not at the first constrained request."""
+        self.grammars.pool.warm_up()
+
+    def is_cached(self, spec: ConstraintSpec | None) -> bool:
+        return spec is None or self.grammars.cached(spec) is not None
+
+    def compile(
+        self, spec: ConstraintSpec | None, budget: Budget | None = None
+    ) -> CompiledGrammar | None:
+        """The grammar, from the cache or compiled within `budget` (TooComplex past it)."""
         if spec is None:
             return None
         try:
-            return self.grammars.compile(spec)
+            return self.grammars.compile(spec, budget)
         except ConstraintError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
+        except CompileTimeout:
+            raise TooComplex(spec.param, "grammar compilation") from None
+        except CompilerUnavailable as exc:
+            raise OpenAIError(
+                503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}
+            ) from exc
 
-    def prepare_completion(self, body: SamplingRequest) -> CompiledGrammar | None:
-        return self.compile(requested_constraint(body))
+    @staticmethod
+    def completion_constraint(body: SamplingRequest) -> ConstraintSpec | None:
+        return requested_constraint(body)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> ChatPreparation:
         try:
@@ -89,4 +109,4 @@ class StructuredOutputs:
         messages, tools = template_inputs(
             body.messages, plan.tools if plan is not None else None, self.template_source
         )
-        return ChatPreparation(messages, tools, plan, self.compile(spec or forced))
+        return ChatPreparation(messages, tools, plan, spec or forced)

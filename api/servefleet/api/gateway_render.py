@@ -1,0 +1,157 @@
+"""LLMDeployments → the gateway's configuration, for both modes.
+
+The operator renders it into each route ConfigMap (keys stay in Secrets, referenced as
+mounted files) and `servefleet up` renders it in process (keys resolved now, tenant keys kept
+as hashes only); both call `render_gateway_config`, so the two modes cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from pydantic import SecretStr
+
+from servefleet.api.engines import engine_adapter
+from servefleet.api.gateway_config import (
+    ApiKeyRef,
+    GatewayConfig,
+    GatewayDeployment,
+    GatewayTenant,
+    RedisConfig,
+    SecretValueRef,
+    ServiceRef,
+    TenantAccess,
+    hash_api_key,
+)
+from servefleet.api.llmdeployment import LLMDeployment, SecretKeyRef, TenantSpec
+
+
+class KeySource(Protocol):
+    """Turns Secret references into what the gateway config may hold."""
+
+    def tenant_key(self, ref: SecretKeyRef) -> ApiKeyRef: ...
+
+    def secret_value(self, ref: SecretKeyRef) -> SecretValueRef: ...
+
+
+class MountedSecretKeys:
+    """Kubernetes: Secrets are mounted at `<mount_dir>/<secret name>/<key>` in the gateway pod."""
+
+    def __init__(self, mount_dir: str) -> None:
+        self.mount_dir = mount_dir.rstrip("/")
+
+    def path(self, ref: SecretKeyRef) -> str:
+        return f"{self.mount_dir}/{ref.name}/{ref.key}"
+
+    def tenant_key(self, ref: SecretKeyRef) -> ApiKeyRef:
+        return ApiKeyRef(source=SecretValueRef(file=self.path(ref)))
+
+    def secret_value(self, ref: SecretKeyRef) -> SecretValueRef:
+        return SecretValueRef(file=self.path(ref))
+
+
+class ResolvedSecretKeys:
+    """Local mode: secret values resolved now (env or file); tenant keys kept as hashes only."""
+
+    def __init__(self, resolve: Callable[[SecretKeyRef], str | None]) -> None:
+        self._resolve = resolve
+
+    def _value(self, ref: SecretKeyRef) -> str:
+        value = self._resolve(ref)
+        if value is None:
+            raise ValueError(f"secret {ref.name}/{ref.key} is not available")
+        return value
+
+    def tenant_key(self, ref: SecretKeyRef) -> ApiKeyRef:
+        return ApiKeyRef(sha256=hash_api_key(self._value(ref)))
+
+    def secret_value(self, ref: SecretKeyRef) -> SecretValueRef:
+        return SecretValueRef(value=SecretStr(self._value(ref)))
+
+
+def render_gateway_config(
+    deployments: list[LLMDeployment],
+    endpoints: Mapping[str, list[str]],
+    key_source: KeySource,
+    *,
+    services: Mapping[str, ServiceRef] | None = None,
+    engine_keys: Mapping[str, SecretKeyRef] | None = None,
+    host: str = "0.0.0.0",
+    port: int = 8080,
+    redis: RedisConfig | None = None,
+    allowed_replica_networks: list[str] | None = None,
+) -> GatewayConfig:
+    """The gateway config for a set of LLMDeployments.
+
+    `endpoints` maps a deployment name to static replica URLs (local mode); `services` maps it
+    to the headless Service to watch (Kubernetes) and `engine_keys` to the Secret key its
+    engines require (Kubernetes: the operator's Secret; local mode: the key generated for the
+    run). A tenant listed in several deployments must have the same key and tenant-wide
+    limits in each (they are one tenant).
+    `allowed_replica_networks` (local mode: loopback) bounds where the internal API may point
+    a deployment's replicas.
+    """
+    tenants: dict[str, GatewayTenant] = {}
+    rendered: list[GatewayDeployment] = []
+    for dep in deployments:
+        access = [_merge_tenant(tenants, tenant, key_source) for tenant in dep.spec.tenants]
+        spill = dep.spec.spillover
+        enabled_spill = spill if spill is not None and spill.enabled else None
+        spill_ref = None if enabled_spill is None else enabled_spill.api_key_secret_ref
+        engine_key_ref = (engine_keys or {}).get(dep.name)
+        rendered.append(
+            GatewayDeployment(
+                name=dep.name,
+                model=dep.spec.model.name,
+                endpoints=list(endpoints.get(dep.name, [])),
+                service=(services or {}).get(dep.name),
+                block_size=dep.spec.engine.block_size,
+                ready_path=engine_adapter(dep.spec.engine.kind).ready_path,
+                exact_continuation=dep.spec.engine.kind == "servefleet",
+                engine_priority=dep.spec.engine.kind == "servefleet",
+                max_model_len=dep.spec.engine.max_model_len,
+                allowed_replica_networks=allowed_replica_networks,
+                # Built-in models ship with the gateway's image too; other sources do not.
+                tokenizer=dep.spec.model.source.builtin,
+                pool=dep.spec.pool,
+                admission=dep.spec.admission,
+                tenants=access,
+                spillover=enabled_spill,
+                spillover_api_key=_secret_value(key_source, spill_ref),
+                engine_api_key=_secret_value(key_source, engine_key_ref),
+            )
+        )
+    return GatewayConfig(
+        host=host,
+        port=port,
+        redis=redis,
+        tenants=list(tenants.values()),
+        deployments=rendered,
+    )
+
+
+def _merge_tenant(
+    tenants: dict[str, GatewayTenant], tenant: TenantSpec, key_source: KeySource
+) -> TenantAccess:
+    """Adds a deployment's tenant to `tenants` (one entry per name, keys merged) and returns
+    its access to that deployment."""
+    key = key_source.tenant_key(tenant.api_key_secret_ref)
+    known = tenants.get(tenant.name)
+    if known is None:
+        tenants[tenant.name] = GatewayTenant(name=tenant.name, api_keys=[key], limits=tenant.limits)
+    else:
+        if known.limits != tenant.limits:
+            raise ValueError(f"tenant {tenant.name}: tenant-wide limits differ between deployments")
+        if key not in known.api_keys:
+            known.api_keys.append(key)
+    return TenantAccess(
+        name=tenant.name,
+        traffic_class=tenant.traffic_class,
+        weight=tenant.weight,
+        model_limits=tenant.model_limits,
+    )
+
+
+def _secret_value(key_source: KeySource, ref: SecretKeyRef | None) -> SecretValueRef | None:
+    return None if ref is None else key_source.secret_value(ref)

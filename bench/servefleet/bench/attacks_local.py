@@ -1,0 +1,162 @@
+"""Attacks on `servefleet up` (local mode): a user of the same machine with one tenant key.
+
+Local mode must be as closed as a cluster: heads bounded on its gateway, engines only on
+loopback and only with the key the run generated, so nothing on the machine bypasses the
+gateway's keys and limits.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from servefleet.bench.attack_common import AttackResult
+from servefleet.bench.attack_sockets import huge_head, slowloris
+from servefleet.bench.fault_stack import MODEL, Part, StackError, api_key
+from servefleet.bench.processes import free_port, servefleet_command
+
+LOCAL_ATTACKER = "alpha"
+LOCAL_VICTIM = "beta"
+SLOWLORIS_CONNECTIONS = 30
+HEAD_CUT_BOUND_S = 25.0  # the head deadline (10 s) plus slack on a loaded machine
+HUGE_HEAD_BYTES = 100 * 2**20
+
+MANIFEST = f"""
+apiVersion: servefleet.io/v1alpha1
+kind: LLMDeployment
+metadata: {{name: attacked}}
+spec:
+  model: {{name: {MODEL}, source: {{builtin: {MODEL}}}}}
+  engine: {{maxNumSeqs: 4, args: ["--threads", "1", "--kv-cache-memory", "128MiB"]}}
+  pool: {{minReplicas: 1, maxReplicas: 1, perReplicaConcurrency: 4}}
+  autoscaling: {{enabled: false}}
+  tenants:
+    - {{name: {LOCAL_ATTACKER}, apiKeySecretRef: {{name: keys, key: {LOCAL_ATTACKER}}}}}
+    - {{name: {LOCAL_VICTIM}, apiKeySecretRef: {{name: keys, key: {LOCAL_VICTIM}}}}}
+---
+apiVersion: v1
+kind: Secret
+metadata: {{name: keys}}
+stringData: {{{LOCAL_ATTACKER}: {api_key(LOCAL_ATTACKER)}, {LOCAL_VICTIM}: {api_key(LOCAL_VICTIM)}}}
+"""
+
+
+@dataclass
+class LocalUp:
+    """`servefleet up` as a process, and the engines it started."""
+
+    workdir: Path
+    part: Part | None = None
+    engines: list[str] = field(default_factory=list)
+
+    def start(self, ready_timeout_s: float = 240.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        manifest = self.workdir / "llmd.yaml"
+        manifest.write_text(MANIFEST)
+        port = free_port()
+        argv = [*servefleet_command(), "up", str(manifest), "--port", str(port)]
+        argv += ["--log-dir", str(self.workdir / "logs")]
+        self.part = Part("servefleet-up", argv, f"http://127.0.0.1:{port}", self.workdir / "up.log")
+        self.part.start()
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if not self.part.alive():
+                raise StackError(f"servefleet up exited:\n{self.part.tail()}")
+            if "ready: warm replicas are serving" in self.part.log.read_text(errors="replace"):
+                self.engines = self._engine_urls()
+                return
+            time.sleep(0.5)
+        raise StackError(f"servefleet up not ready in time:\n{self.part.tail()}")
+
+    @property
+    def url(self) -> str:
+        """Where tenants call: the local gateway."""
+        assert self.part is not None
+        return self.part.url
+
+    def _engine_urls(self) -> list[str]:
+        assert self.part is not None and self.part.proc is not None
+        urls = []
+        for child in psutil.Process(self.part.proc.pid).children(recursive=True):
+            found = re.search(r"--port (\d+)", " ".join(child.cmdline()))
+            if found and "engine" in child.cmdline():
+                urls.append(f"http://127.0.0.1:{found.group(1)}")
+        return urls
+
+    def engine_listen_addresses(self) -> list[str]:
+        assert self.part is not None and self.part.proc is not None
+        found = []
+        for child in psutil.Process(self.part.proc.pid).children(recursive=True):
+            if "engine" not in child.cmdline():
+                continue
+            for conn in child.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.append(f"{conn.laddr.ip}:{conn.laddr.port}")
+        return found
+
+    def stop(self) -> None:
+        if self.part is None or self.part.proc is None:
+            return
+        if self.part.alive():
+            self.part.signal(signal.SIGINT)
+            try:
+                self.part.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.part.stop()
+
+
+def local_slowloris(up: LocalUp, result: AttackResult) -> None:
+    """servefleet up: 30 request heads at one byte a second."""
+    assert up.part is not None
+    cuts = slowloris(up.part.url, SLOWLORIS_CONNECTIONS, interval_s=1.0, max_s=60.0)
+    slowest = max(c.seconds for c in cuts)
+    held = [c for c in cuts if not c.cut]
+    result.figures.update({"connections": len(cuts), "held": len(held), "slowest_cut_s": slowest})
+    result.require(not held, f"{len(held)} slow heads were never cut")
+    result.require(slowest <= HEAD_CUT_BOUND_S, f"a slow head was cut only after {slowest} s")
+    result.outcome = (
+        f"{len(cuts) - len(held)}/{len(cuts)} slow heads cut, the last after {slowest} s"
+    )
+
+
+def local_huge_head(up: LocalUp, result: AttackResult) -> None:
+    """servefleet up: a 100 MB request head."""
+    assert up.part is not None
+    cut = huge_head(up.part.url, HUGE_HEAD_BYTES)
+    result.figures.update({"status": cut.status, "seconds": cut.seconds})
+    result.require(cut.cut and cut.status in (431, None), f"huge head: {cut}")
+    result.require(cut.seconds <= HEAD_CUT_BOUND_S, f"huge head read for {cut.seconds} s")
+    result.outcome = f"{cut.status or 'closed'} after {cut.seconds} s"
+
+
+def local_engine_bypass(up: LocalUp, result: AttackResult) -> None:
+    """servefleet up: a local user calls the engines directly.
+
+    Engines listen on loopback only and refuse anyone without the run's engine key."""
+    listening = up.engine_listen_addresses()
+    result.figures["engine_listen"] = listening
+    result.require(bool(listening), "no engine listening socket found")
+    result.require(
+        all(a.startswith("127.0.0.1:") for a in listening),
+        f"engines listen beyond loopback: {listening}",
+    )
+    headers = {"authorization": f"Bearer {api_key(LOCAL_ATTACKER)}"}
+    for url in up.engines:
+        for path, body in (
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            ),
+            ("/tokenize", {"model": MODEL, "prompt": "hi"}),
+        ):
+            response = httpx.post(url + path, json=body, headers=headers, timeout=30)
+            result.figures[path] = response.status_code
+            result.require(response.status_code == 401, f"{url}{path}: {response.status_code}")
+    result.outcome = f"engines on {', '.join(listening)}; 401 without the run's engine key"

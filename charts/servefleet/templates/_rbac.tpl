@@ -1,0 +1,101 @@
+{{- /*
+The rules of each component, once; rbac.yaml binds them namespaced (Role + RoleBinding in
+each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each rule says why.
+*/ -}}
+{{- define "servefleet.rules.operator" -}}
+# Watch LLMDeployments; patch their annotations (kopf keeps its handler state there).
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments]
+  verbs: [get, list, watch, patch]
+# Status, by merge patch (queueDepth and podDeletionCosts excepted: the autoscaler's).
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments/status]
+  verbs: [patch]
+# An unset spec.replicas is given the warm minimum once, through the scale subresource.
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments/scale]
+  verbs: [patch]
+# Owner references with blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments/finalizers]
+  verbs: [update]
+# Children, written by server-side apply (create + patch); never deleted by hand:
+# the garbage collector removes them through their owner references.
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [create, patch]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [create, patch]
+# The engine key Secret: created once when absent, never read (no get) nor rewritten.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+# The engine Deployment: applied, and watched to report readiness in status.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+# Engine pods: listed for ModelLoading and scale-downs; patched with the autoscaler's
+# pod-deletion-cost ranking (status.podDeletionCosts), so the autoscaler writes no pod.
+# It adds nothing the operator lacks: it may already create Deployments.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, patch]
+# ModelLoading: engine pods' fetch init containers report download progress in their
+# log, read here, so engine pods themselves need no API access.
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
+# Events on LLMDeployments.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{- define "servefleet.rules.gateway" -}}
+# Routes rendered (and signed) by the operator: list + watch with the label selector
+# servefleet.io/gateway-route=true (RBAC cannot narrow a rule to a label).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [list, watch]
+# Tenant (and spill-over, engine) keys: only `get`, one Secret at a time, and only those a
+# route names in its own namespace. No list/watch: those would return every Secret's data.
+# Tenant keys are hashed on read; only the digests stay in memory.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# Per-replica routing: the ready addresses of each engine headless Service.
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list, watch]
+{{- end -}}
+
+{{- define "servefleet.rules.autoscaler" -}}
+# Every tick lists the LLMDeployments of its namespaces.
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments]
+  verbs: [list]
+# Decisions go through the scale subresource, like an HPA's.
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments/scale]
+  verbs: [get, patch]
+# status.queueDepth and, before a scale-down, status.podDeletionCosts (merge patch).
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments/status]
+  verbs: [patch]
+# Engine pods: listed for replica states and addresses. Never written: the operator
+# applies the deletion-cost ranking.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+# "Scaled" Events on the LLMDeployment, saying why.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
