@@ -145,7 +145,9 @@ def bounded_for_fuzzing(document: dict[str, Any]) -> dict[str, Any]:
 
 def _fuzz(server: Server, key: str, work: Path) -> dict[str, Any]:
     """Run schemathesis against `server`; its JSON report (cases, failures)."""
-    document = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    # The engine's document is behind its key like every path but the probes.
+    headers = {"authorization": f"Bearer {key}"}
+    document = httpx.get(server.url + "/openapi.json", headers=headers, timeout=10).json()
     schema_file = work / f"{server.name}-openapi.json"
     schema_file.write_text(json.dumps(bounded_for_fuzzing(document)))
     report = work / f"{server.name}-report.json"

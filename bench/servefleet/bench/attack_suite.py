@@ -37,8 +37,8 @@ from servefleet.bench.attack_common import (
 )
 from servefleet.bench.attack_stack import SHAPE, VICTIM, AttackStack
 
-QUIET_S = 8.0  # the victim alone, just before each attack: its baseline
-WINDOW_S = 8.0  # the victim's least time under each attack
+QUIET_S = 10.0  # the victim alone, just before each attack: its baseline
+WINDOW_S = 10.0  # the victim's least time under each attack
 # A stack's first requests, not counted; long enough for what engines start once they are
 # ready (the grammar compiler's fork server) to be done with the cores.
 WARM_UP_S = 15.0

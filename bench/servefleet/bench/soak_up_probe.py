@@ -9,6 +9,7 @@ its port, which is stable while it lives and what its /metrics answers on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from servefleet.bench.fault_stack import metric_sum, scrape
 ENGINE_METRICS = engine_adapter("servefleet").metrics
 UP_LABEL = "up"
 ENGINE_PREFIX = "engine-"  # + its port
+EXIT_GRACE_S = 10.0  # a child may outlive its parent this long (see `left_running`)
 
 
 @dataclass
@@ -89,16 +91,22 @@ class ProcessTree:
             sample.running[label] = metric_sum(metrics, ENGINE_METRICS.requests_running)
         return sample
 
-    def left_running(self) -> list[str]:
-        """Processes of the tree still alive (after `servefleet up` was stopped: none may be)."""
-        left = []
-        for pid, label in self.seen.items():
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    left.append(f"{label} (pid {pid})")
-            except psutil.Error:
-                continue
-        return left
+    def left_running(self, grace_s: float = EXIT_GRACE_S) -> list[str]:
+        """Processes of the tree still alive `grace_s` after `servefleet up` was stopped (none
+        may be). The grace is for children that exit once their parent has: an engine's
+        grammar-compiler fork server notices its engine is gone a second or two later."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            left = []
+            for pid, label in self.seen.items():
+                try:
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        left.append(f"{label} (pid {pid})")
+                except psutil.Error:
+                    continue
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.2)
 
 
 def engines_idle(tree: ProcessTree) -> dict[str, float] | None:
