@@ -25,28 +25,17 @@ ServiceAccount, and EndpointSlices written here point it at in-test OpenAI stand
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 import yaml
 from conftest import CHART, RELEASE, SYSTEM_NAMESPACE
+from k8s.kube_gateway import KubeGateway, endpoint_slice, host_address, stand_in
 from k8s.kubectl import Kube, OperatorProcess, condition, wait_for
-from procs import free_port
-
-from servefleet.api.conventions import LABEL_SERVICE_NAME
-from servefleet.bench.fake_upstream import FakeOpenAI
 
 EVIL = "aaa-evil"  # sorts before the victim's namespace
 VICTIM = "team-victim"
@@ -127,98 +116,6 @@ def apply(kube: Kube, *docs: dict[str, Any]) -> subprocess.CompletedProcess[str]
     return kube.kubectl_result("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
 
 
-def host_address() -> str:
-    """A non-loopback IPv4 of this machine: EndpointSlices refuse 127.0.0.0/8."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.connect(("10.255.255.255", 1))
-        address = str(sock.getsockname()[0])
-    assert not address.startswith("127."), "no non-loopback IPv4 address"
-    return address
-
-
-@contextlib.contextmanager
-def stand_in(host: str) -> Iterator[tuple[FakeOpenAI, int]]:
-    """An OpenAI stand-in replica on `host` (a thread)."""
-    app, port = FakeOpenAI(), free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for("the stand-in replica", lambda: server.started, timeout=10)
-        yield app, port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-def endpoint_slice(namespace: str, service: str, address: str, port: int) -> dict[str, Any]:
-    """What the EndpointSlice controller writes for one ready engine pod (no kubelet here)."""
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service}-e2e",
-            "namespace": namespace,
-            "labels": {
-                LABEL_SERVICE_NAME: service,
-                "endpointslice.kubernetes.io/managed-by": "e2e-test",
-            },
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
-    }
-
-
-class Gateway:
-    """`servefleet gateway --kube-routes` as the chart's gateway ServiceAccount."""
-
-    def __init__(self, kubeconfig: Path, route_key: Path, work: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = work / "gateway.log"
-        base = work / "gateway.yaml"
-        base.write_text(
-            yaml.safe_dump({"host": "127.0.0.1", "port": self.port, "internal_port": None})
-        )
-        code = "import sys; from servefleet.cli.main import main; sys.exit(main())"
-        argv = [
-            sys.executable, "-c", code, "gateway", f"--config={base}", "--kube-routes",
-            f"--kubeconfig={kubeconfig}", f"--route-signing-key-file={route_key}",
-            "--secret-refresh-seconds=1", "--log-level=info",
-        ]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-    def chat(self, key: str) -> int | None:
-        assert self.proc.poll() is None, f"gateway died:\n{self.logs()[-4000:]}"
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        try:
-            return httpx.post(
-                self.url + "/v1/chat/completions",
-                headers={"authorization": f"Bearer {key}"},
-                json=body,
-                timeout=30,
-            ).status_code
-        except httpx.HTTPError:
-            return None
-
-
 @pytest.fixture(scope="module")
 def evil(kube: Kube, installed_chart: Path, tmp_path_factory: pytest.TempPathFactory) -> Kube:
     return team_kube(kube, EVIL, tmp_path_factory.mktemp("evil") / "kubeconfig")
@@ -227,11 +124,11 @@ def evil(kube: Kube, installed_chart: Path, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture
 def gateway(
     kube: Kube, installed_chart: Path, route_key_file: Path, tmp_path: Path
-) -> Iterator[Gateway]:
+) -> Iterator[KubeGateway]:
     kubeconfig = kube.service_account_kubeconfig(
         SYSTEM_NAMESPACE, f"{RELEASE}-gateway", tmp_path / "gateway.kubeconfig"
     )
-    process = Gateway(kubeconfig, route_key_file, tmp_path)
+    process = KubeGateway(kubeconfig, route_key_file, tmp_path)
     try:
         yield process
     finally:
@@ -283,7 +180,7 @@ def forged_route(owner_uid: str, address: str, port: int) -> dict[str, Any]:
 
 
 def test_forged_and_squatting_routes_change_nothing_for_the_real_team(
-    kube: Kube, evil: Kube, operator: OperatorProcess, gateway: Gateway
+    kube: Kube, evil: Kube, operator: OperatorProcess, gateway: KubeGateway
 ) -> None:
     kube.kubectl("create", "namespace", VICTIM, check=False)
     victim = llmd(NAME, VICTIM, {"tenants": [tenant("victim-key")]})
@@ -325,14 +222,18 @@ def test_forged_and_squatting_routes_change_nothing_for_the_real_team(
         apply(kube, endpoint_slice(VICTIM, f"{NAME}-engine", address, victim_port))
         apply(kube, endpoint_slice(EVIL, f"{NAME}-engine", address, evil_port))
 
-        wait_for("the victim's key to work", lambda: gateway.chat(VICTIM_KEY) == 200, timeout=90)
-        wait_for("the attacker's key to work", lambda: gateway.chat(EVIL_KEY) == 200, timeout=60)
+        wait_for(
+            "the victim's key to work", lambda: gateway.status(VICTIM_KEY, MODEL) == 200, timeout=90
+        )
+        wait_for(
+            "the attacker's key to work", lambda: gateway.status(EVIL_KEY, MODEL) == 200, timeout=60
+        )
         before = len(victim_replica.stats.requests), len(evil_replica.stats.requests)
         for _ in range(3):
-            assert gateway.chat(VICTIM_KEY) == 200
+            assert gateway.status(VICTIM_KEY, MODEL) == 200
         assert len(victim_replica.stats.requests) == before[0] + 3
         assert len(evil_replica.stats.requests) == before[1]  # each key reaches its own
-        assert gateway.chat(EVIL_KEY) == 200
+        assert gateway.status(EVIL_KEY, MODEL) == 200
         assert len(evil_replica.stats.requests) == before[1] + 1
         assert attacker_server.stats.requests == []  # the forged route was never served
     logs = gateway.logs()

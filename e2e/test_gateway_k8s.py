@@ -16,34 +16,24 @@ tests/test_gateway_routes.py) and need no cluster.
 from __future__ import annotations
 
 import base64
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 import yaml
 from conftest import RELEASE, SYSTEM_NAMESPACE
+from k8s.kube_gateway import KubeGateway, endpoint_slice, host_address, stand_in
 from k8s.kubectl import Kube, OperatorProcess, wait_for
-from procs import free_port as _free_port
 
 from servefleet.api.conventions import (
     ANNOTATION_ROUTE_SIGNATURE,
-    LABEL_SERVICE_NAME,
     ROUTE_GATEWAY_KEY,
     SECRETS_MOUNT,
 )
 from servefleet.api.gateway_config import GatewayConfig, RedisConfig, hash_api_key
 from servefleet.api.route_signature import route_signature
-from servefleet.bench.fake_upstream import FakeOpenAI
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.route_merge import (
     ResolvedSecrets,
@@ -208,36 +198,6 @@ def test_reconfigure_keeps_pools_and_limits_replaces_changed_pools_with_what_the
 # ----------------------------------------------------------------------------- the cluster
 
 
-def host_address() -> str:
-    """This machine's non-loopback IPv4: EndpointSlices refuse 127.0.0.0/8 (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(("10.255.255.255", 1))
-        except OSError as exc:
-            pytest.fail(f"no non-loopback IPv4 address for the stand-in replica: {exc}")
-        address = str(sock.getsockname()[0])
-    if address.startswith("127."):
-        pytest.fail("no non-loopback IPv4 address for the stand-in replica")
-    return address
-
-
-@contextlib.contextmanager
-def serve_replica(host: str) -> Iterator[int]:
-    """The OpenAI stand-in on `host` (a thread); yields its port."""
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(FakeOpenAI(), host=host, port=port, log_level="warning", lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for("the stand-in replica to start", lambda: server.started, timeout=10)
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def llmdeployment(rpm: int) -> str:
     return yaml.safe_dump(
         {
@@ -270,95 +230,21 @@ def secret(key: str) -> str:
     )
 
 
-def endpoint_slice(service: str, address: str, port: int) -> str:
-    """What the EndpointSlice controller would write for one ready engine pod (no kubelet)."""
-    return yaml.safe_dump(
-        {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": f"{service}-e2e",
-                "namespace": NAMESPACE,
-                "labels": {
-                    LABEL_SERVICE_NAME: service,
-                    "endpointslice.kubernetes.io/managed-by": "e2e-test",
-                },
-            },
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-            "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
-        }
-    )
-
-
-class GatewayProcess:
-    def __init__(self, kubeconfig: Path, work: Path, route_key_file: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = work / "gateway.log"
-        base = work / "gateway.yaml"
-        # No internal port: this test reads nothing there (serving it would need a key).
-        base.write_text(
-            yaml.safe_dump({"host": "127.0.0.1", "port": self.port, "internal_port": None})
-        )
-        code = "import sys; from servefleet.cli.main import main; sys.exit(main())"
-        argv = [
-            sys.executable,
-            "-c",
-            code,
-            "gateway",
-            f"--config={base}",
-            "--kube-routes",
-            f"--kubeconfig={kubeconfig}",
-            "--secret-refresh-seconds=1",
-            f"--route-signing-key-file={route_key_file}",
-            "--log-level=info",
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-    def chat(self, key: str) -> httpx.Response:
-        return httpx.post(
-            self.url + "/v1/chat/completions",
-            headers={"authorization": f"Bearer {key}"},
-            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-            timeout=30,
-        )
-
-
 @pytest.fixture
 def gateway(
     kube: Kube, installed_chart: Path, route_key_file: Path, tmp_path: Path
-) -> Iterator[GatewayProcess]:
+) -> Iterator[KubeGateway]:
     kubeconfig = kube.service_account_kubeconfig(
         SYSTEM_NAMESPACE, f"{RELEASE}-gateway", tmp_path / "gateway.kubeconfig"
     )
-    process = GatewayProcess(kubeconfig, tmp_path, route_key_file)
+    process = KubeGateway(kubeconfig, route_key_file, tmp_path)
     try:
         yield process
     finally:
         process.stop()
 
 
-def _ready(gateway: GatewayProcess) -> bool:
+def _ready(gateway: KubeGateway) -> bool:
     """/ready answers 200; a gateway still starting up (not listening yet) is not ready."""
     assert gateway.alive(), f"gateway died:\n{gateway.logs()[-4000:]}"
     try:
@@ -367,16 +253,12 @@ def _ready(gateway: GatewayProcess) -> bool:
         return False
 
 
-def _status(gateway: GatewayProcess, key: str) -> int | None:
-    assert gateway.alive(), f"gateway died:\n{gateway.logs()[-4000:]}"
-    try:
-        return gateway.chat(key).status_code
-    except httpx.HTTPError:
-        return None
+def _status(gateway: KubeGateway, key: str) -> int | None:
+    return gateway.status(key, MODEL)
 
 
 def test_gateway_serves_operator_routes_with_secret_keys_and_follows_changes(
-    kube: Kube, operator: OperatorProcess, gateway: GatewayProcess
+    kube: Kube, operator: OperatorProcess, gateway: KubeGateway
 ) -> None:
     kube.kubectl("create", "namespace", NAMESPACE, check=False)
     kube.apply_text(secret(KEY))
@@ -388,16 +270,16 @@ def test_gateway_serves_operator_routes_with_secret_keys_and_follows_changes(
     )
     assert KEY not in yaml.safe_dump(route)  # a reference, never the key
     address = host_address()
-    with serve_replica(address) as port:
-        kube.apply_text(endpoint_slice(f"{NAME}-engine", address, port))
+    with stand_in(address) as (_, port):
+        kube.apply_text(yaml.safe_dump(endpoint_slice(NAMESPACE, f"{NAME}-engine", address, port)))
 
         wait_for("the gateway to sync routes", lambda: _ready(gateway), timeout=60)
         wait_for("a routed request to succeed", lambda: _status(gateway, KEY) == 200, timeout=60)
-        answer = gateway.chat(KEY)
+        answer = gateway.chat(KEY, MODEL)
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-servefleet-route"] == "pool"
         assert answer.headers["x-ratelimit-limit-requests"] == "100"
-        wrong = gateway.chat("sk-not-a-key")
+        wrong = gateway.chat("sk-not-a-key", MODEL)
         assert wrong.status_code == 401
         assert wrong.json()["error"]["code"] == "invalid_api_key"
         pid = gateway.proc.pid
@@ -406,13 +288,13 @@ def test_gateway_serves_operator_routes_with_secret_keys_and_follows_changes(
         kube.apply_text(llmdeployment(rpm=600))
         wait_for(
             "the gateway to apply the new limit",
-            lambda: gateway.chat(KEY).headers.get("x-ratelimit-limit-requests") == "600",
+            lambda: gateway.chat(KEY, MODEL).headers.get("x-ratelimit-limit-requests") == "600",
             timeout=60,
         )
         # The key is rotated in its Secret: the new one works, the old one stops working.
         kube.apply_text(secret(ROTATED_KEY))
         wait_for("the rotated key to work", lambda: _status(gateway, ROTATED_KEY) == 200)
-        assert gateway.chat(KEY).status_code == 401
+        assert gateway.chat(KEY, MODEL).status_code == 401
         assert gateway.alive() and gateway.proc.pid == pid  # never restarted
 
         # Deleting the CR garbage-collects the route; the tenant is gone from the gateway.

@@ -38,6 +38,20 @@ class RedisUnavailable(Exception):
     """Redis could not be reached or answered with an error."""
 
 
+def _policy_args(scopes: Sequence[LimitScope]) -> list[Any]:
+    """Each scope's four limits, as the Lua scripts read them (after their own arguments)."""
+    args: list[Any] = []
+    for scope in scopes:
+        p = scope.policy
+        args += [
+            _limit_arg(p.requests_per_minute),
+            _limit_arg(p.tokens_per_minute),
+            _limit_arg(p.max_concurrent),
+            _limit_arg(p.daily_tokens),
+        ]
+    return args
+
+
 def _limit_arg(value: int | None) -> int:
     return 0 if value is None else int(value)
 
@@ -124,15 +138,7 @@ class RedisLimiter:
         check_request_size(scopes, tokens)
         rid = uuid.uuid4().hex
         day = int(time.time() // SECONDS_PER_DAY)
-        args: list[Any] = [tokens, rid, self._lease_ttl_ms]
-        for scope in scopes:
-            p = scope.policy
-            args += [
-                _limit_arg(p.requests_per_minute),
-                _limit_arg(p.tokens_per_minute),
-                _limit_arg(p.max_concurrent),
-                _limit_arg(p.daily_tokens),
-            ]
+        args: list[Any] = [tokens, rid, self._lease_ttl_ms, *_policy_args(scopes)]
         keys = self._keys(scopes, day)
         try:
             result = await self._reserve(keys=keys, args=args)
@@ -166,17 +172,8 @@ class RedisLimiter:
         if not scopes:
             return []
         day = int(time.time() // SECONDS_PER_DAY)
-        args: list[Any] = []
-        for scope in scopes:
-            p = scope.policy
-            args += [
-                _limit_arg(p.requests_per_minute),
-                _limit_arg(p.tokens_per_minute),
-                _limit_arg(p.max_concurrent),
-                _limit_arg(p.daily_tokens),
-            ]
         try:
-            result = await self._read(keys=self._keys(scopes, day), args=args)
+            result = await self._read(keys=self._keys(scopes, day), args=_policy_args(scopes))
         except Exception as exc:
             raise RedisUnavailable(str(exc)) from exc
         redis_day = int(result[0])
