@@ -38,6 +38,7 @@ from prometheus_client import (
 )
 
 from servefleet.api.gateway_stats import DeploymentStats
+from servefleet.api.outcomes import Outcome
 from servefleet.autoscaler.explain import Reason
 from servefleet.autoscaler.policy import Decision, PolicyState
 from servefleet.autoscaler.telemetry import AutoscalerMetrics
@@ -113,13 +114,13 @@ class Fleet:
 
     def tick(self) -> None:
         sick = self.gateways[0].for_tenant("acme", "sick-model")
-        sick.outcome["ok"].inc(1)
-        sick.outcome["upstream_error"].inc(5)
-        sick.outcome["503"].inc(5)
+        sick.outcome[Outcome.OK].inc(1)
+        sick.outcome[Outcome.UPSTREAM_ERROR].inc(5)
+        sick.outcome[Outcome.SHED].inc(5)
         self.gateways[0].spillovers.labels("sick-model", "no ready replica").inc(3)
         healthy = self.gateways[1].for_tenant("acme", "ok-model")
-        healthy.outcome["ok"].inc(10)
-        healthy.outcome["4xx"].inc(2)  # the tenant's own errors spend no error budget
+        healthy.outcome[Outcome.OK].inc(10)
+        healthy.outcome[Outcome.REJECTED].inc(2)  # the tenant's own errors spend no budget
         self.autoscaler.record("ok", decision(2, 2))
         self.restarts.labels("team-a", "sick-engine-0", "engine").inc()
         # A restarting sidecar is not an engine restart.

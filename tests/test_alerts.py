@@ -4,7 +4,8 @@ Static half of the proof (no Prometheus): every metric an alert reads is exporte
 gateway's, autoscaler's or engine's own registry, or named by an engine adapter in
 `servefleet.api.engines` (vLLM, SGLang), or is kube-state-metrics' restart counter; every
 label it groups or joins on exists there. `e2e/test_alerts.py` runs `promtool check rules`
-and makes each alert fire on a real Prometheus.
+and makes each alert fire on a real Prometheus. Every `outcome` a rule names is one of
+`servefleet.api.outcomes.Outcome`, and the error budget classes them as that module does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import yaml
 
 from servefleet.api.conventions import ENGINE_CONTAINER
 from servefleet.api.engines import ENGINE_ADAPTERS
-from tests.test_dashboards import MATCHER, TARGET_LABELS, all_series
+from servefleet.api.outcomes import BURNS_ERROR_BUDGET, TENANTS_OWN
+from tests.test_dashboards import (
+    MATCHER,
+    TARGET_LABELS,
+    all_series,
+    outcome_matchers,
+    unknown_outcomes,
+)
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "servefleet"
 ALERTS = CHART / "files" / "alerts"
@@ -107,3 +115,19 @@ def test_the_chart_ships_the_file_with_for_overrides() -> None:
     assert "kind: PrometheusRule" in template and 'set $rule "for"' in template
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["metrics"]["prometheusRule"] == {"enabled": False, "labels": {}, "for": {}}
+
+
+@pytest.mark.parametrize("rule", list(rules()), ids=lambda r: r.get("alert") or r["record"])
+def test_every_outcome_a_rule_names_exists(rule: dict[str, Any]) -> None:
+    assert not unknown_outcomes(rule["expr"]), f"no such outcome in {rule['expr']}"
+
+
+def test_the_error_budget_classes_outcomes_as_the_api_does() -> None:
+    """Failures of ours over everything but the tenant's own doing: the same sets as
+    `servefleet.api.outcomes`, so a new outcome is classed in one place and the rules follow."""
+    ratios = [r for r in rules() if "gateway_error_ratio" in r.get("record", "")]
+    assert len(ratios) == 4
+    ours = frozenset(o.value for o in BURNS_ERROR_BUDGET)
+    tenants = frozenset(o.value for o in TENANTS_OWN)
+    for rule in ratios:
+        assert sorted(outcome_matchers(rule["expr"])) == [("!~", tenants), ("=~", ours)], rule

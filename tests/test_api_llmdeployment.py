@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from servefleet.api import (
-    LLMDeployment,
+from servefleet.api.llmdeployment import LLMDeployment
+from servefleet.api.manifests import (
     ManifestError,
     load_llmdeployments,
     load_secrets,

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from servefleet.api.engine_flags import API_KEY_ENV
 from servefleet.api.engines import engine_adapter
 from servefleet.bench.processes import free_port
 from servefleet.cli import engine_cmd
@@ -113,10 +114,10 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_api_key_comes_from_the_flag_else_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert engine_adapter("servefleet").api_key_env == engine_cmd.API_KEY_ENV
-    monkeypatch.delenv(engine_cmd.API_KEY_ENV, raising=False)
+    assert engine_adapter("servefleet").api_key_env == API_KEY_ENV
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert EngineConfig(**engine_cmd.engine_settings(_args())).api_key is None
-    monkeypatch.setenv(engine_cmd.API_KEY_ENV, "from-env")
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert EngineConfig(**engine_cmd.engine_settings(_args())).api_key == "from-env"
     config = EngineConfig(**engine_cmd.engine_settings(_args("--api-key", "from-flag")))
     assert config.api_key == "from-flag" and "from-flag" not in repr(config)
@@ -159,7 +160,8 @@ async def test_startup_gate_answers_loading_then_hands_over() -> None:
 async def test_build_app_wires_the_api_key() -> None:
     from unittest.mock import MagicMock
 
-    from servefleet.engine.server import ServingState, build_app
+    from servefleet.engine.server import build_app
+    from servefleet.engine.serving_state import ServingState
 
     engine = MagicMock()
     engine.is_healthy.return_value = (True, "ok")

@@ -3,7 +3,8 @@
 Static half of the proof (fast, no Prometheus): every metric a panel names exists in the
 engine's, gateway's or autoscaler's own registry with the labels the query uses, and the
 engine adapters (`servefleet.api.engines`) name real series. `e2e/test_dashboards.py`
-evaluates every query against a real Prometheus scraping real processes.
+evaluates every query against a real Prometheus scraping real processes. An `outcome` a query
+or a panel names must be one of `servefleet.api.outcomes.Outcome`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from servefleet.api.engines import ENGINE_ADAPTERS
+from servefleet.api.outcomes import Outcome
 from servefleet.autoscaler.telemetry import AutoscalerMetrics
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.gateway.metrics import GatewayMetrics
@@ -31,6 +33,18 @@ SELECTOR = re.compile(r"((?:vllm:|servefleet_)[A-Za-z0-9_:]*)\{([^}]*)\}")
 MATCHER = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*\"([^\"]*)\"\s*")
 GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 VARIABLE = re.compile(r"\$\{?(\w+)(?::\w+)?\}?")
+OUTCOME_MATCHER = re.compile(r"\boutcome\s*(=~|!~|!=|=)\s*\"([^\"]*)\"")
+
+
+def outcome_matchers(expr: str) -> list[tuple[str, frozenset[str]]]:
+    """Each `outcome` matcher of a query: its operator and the values it names (a regex
+    matcher's alternatives; each must be a whole outcome, not a pattern)."""
+    return [(op, frozenset(value.split("|"))) for op, value in OUTCOME_MATCHER.findall(expr)]
+
+
+def unknown_outcomes(expr: str) -> set[str]:
+    named = {value for _, values in outcome_matchers(expr) for value in values}
+    return named - {o.value for o in Outcome}
 
 
 def exported_series(registry: CollectorRegistry) -> dict[str, set[str]]:
@@ -158,3 +172,25 @@ def test_engine_adapters_name_series_the_engines_export() -> None:
     assert servefleet.kv_cache_usage in ours
     assert ENGINE_ADAPTERS["vllm"].metrics == servefleet
     assert ENGINE_ADAPTERS["vllm"].metrics.kv_cache_usage == "vllm:kv_cache_usage_perc"
+
+
+def test_an_outcome_that_does_not_exist_is_found() -> None:
+    expr = 'sum(rate(servefleet_gateway_requests_total{outcome=~"503|shed", model="m"}[5m]))'
+    assert outcome_matchers(expr) == [("=~", frozenset({"503", "shed"}))]
+    assert unknown_outcomes(expr) == {"shed"}
+    assert unknown_outcomes('x{outcome!="ok"}') == set()
+
+
+@pytest.mark.parametrize("name,board", dashboards())
+def test_every_outcome_a_dashboard_names_exists(name: str, board: dict[str, Any]) -> None:
+    for title, expr in [*panel_targets(board), *variable_queries(board)]:
+        assert not unknown_outcomes(expr), f"{name} / {title}: no such outcome"
+
+
+def test_the_outcome_panel_explains_every_outcome() -> None:
+    """A new outcome shows up in the panel on its own (`sum by (outcome)`); its description
+    must say what it means."""
+    (board,) = [b for name, b in dashboards() if name == "servefleet-overview.json"]
+    (panel,) = [p for p in board["panels"] if p["title"] == "Requests by outcome"]
+    for outcome in Outcome:
+        assert outcome.value in panel["description"], outcome

@@ -399,9 +399,9 @@ def test_cli_flags_reach_the_engine_config() -> None:
     parser = argparse.ArgumentParser()
     engine_cmd.add_arguments(parser)
     args = parser.parse_args(["--model", "m", "--kv-cache-dtype", "float32", "--no-packed-weights"])
-    config = EngineConfig(**vars(args))
+    config = EngineConfig(**engine_cmd.engine_settings(args))
     assert config.kv_cache_dtype == "float32" and config.packed_weights is False
-    defaults = EngineConfig(**vars(parser.parse_args(["--model", "m"])))
+    defaults = EngineConfig(**engine_cmd.engine_settings(parser.parse_args(["--model", "m"])))
     assert defaults.kv_cache_dtype == "auto" and defaults.packed_weights is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"])  # no fp8 on this engine

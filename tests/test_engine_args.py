@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from servefleet.api import LLMDeployment
 from servefleet.api.engines import ENGINE_ADAPTERS
+from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.api.quantity import parse_memory_size
 from servefleet.cli import engine_cmd
 from servefleet.engine.config import EngineConfig
@@ -117,7 +117,7 @@ def test_our_engine_reads_every_flag_the_adapter_writes(extra: dict[str, Any]) -
     args = adapter.args(dep.spec, "smollm2-135m-instruct", adapter.pod_listen())
     parser = argparse.ArgumentParser()
     engine_cmd.add_arguments(parser)
-    config = EngineConfig(**vars(parser.parse_args(args)))
+    config = EngineConfig(**engine_cmd.engine_settings(parser.parse_args(args)))
     engine, concurrency = dep.spec.engine, dep.spec.pool.per_replica_concurrency
     assert config.max_num_seqs == (engine.max_num_seqs or concurrency)
     assert config.max_queue_depth == concurrency

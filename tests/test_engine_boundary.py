@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 from servefleet.api import request_caps as caps
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest
-from servefleet.api.openai_wire import RequestRejected, validate
+from servefleet.api.openai_wire import validate
 from servefleet.engine.prepare_pool import Budget, Preparer
-from servefleet.engine.protocol import OpenAIError
-from servefleet.engine.server import ServingState, build_app
+from servefleet.engine.server import build_app
+from servefleet.engine.serving_state import ServingState
 
 KEY = "sekret-ключ"  # a key that is not ASCII compares as bytes too
 
@@ -83,8 +84,8 @@ async def test_detokenize_refuses_more_ids_than_the_context_before_decoding() ->
 
 
 # ---- caps at validation, shared with the gateway -------------------------------------------
-def _refusal(model: type, body: dict[str, Any]) -> RequestRejected:
-    with pytest.raises(RequestRejected) as err:
+def _refusal(model: type, body: dict[str, Any]) -> OpenAIError:
+    with pytest.raises(OpenAIError) as err:
         validate(model, body)
     assert err.value.status == 400
     return err.value

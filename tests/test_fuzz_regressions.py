@@ -21,7 +21,8 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
-from servefleet.engine.server import ServingState, build_app
+from servefleet.engine.server import build_app
+from servefleet.engine.serving_state import ServingState
 from servefleet.gateway.app import Gateway
 
 LONG = "a" * 200  # long enough for the gateway's prefix-affinity hash

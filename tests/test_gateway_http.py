@@ -374,3 +374,18 @@ def test_a_client_leaving_a_stream_is_client_closed_not_an_upstream_error(rig: R
         time.sleep(0.05)
         metrics = httpx.get(rig.internal + "/metrics", headers=INTERNAL).text
     assert 'outcome="upstream_error",tenant="a"} 0.0' in metrics
+
+
+def test_a_client_leaving_before_a_whole_answer_is_counted_once(rig: Rig) -> None:
+    """A client that gives up on a whole answer (or while queued) is a request too: counted
+    once, as client_closed, like a stream it leaves (it used to be counted nowhere)."""
+    rig.fakes[0].behaviour.hang = True
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(rig.base + "/v1/chat/completions", headers=auth("a"), json=CHAT, timeout=0.5)
+    deadline = time.monotonic() + 10
+    metrics = ""
+    while 'outcome="client_closed",tenant="a"} 1.0' not in metrics:
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+        metrics = httpx.get(rig.internal + "/metrics", headers=INTERNAL).text
+    assert 'outcome="upstream_error",tenant="a"} 0.0' in metrics

@@ -32,6 +32,7 @@ from servefleet.api.gateway_config import (
     hash_api_key,
 )
 from servefleet.api.llmdeployment import SpilloverSpec, TenantLimits
+from servefleet.api.outcomes import Outcome
 from servefleet.bench.fake_upstream import FakeOpenAI
 from servefleet.bench.processes import free_port, serve_in_thread, servefleet_command
 from servefleet.cli.main import main as cli_main
@@ -202,10 +203,10 @@ def test_access_log_has_a_line_per_request_and_no_key(upstream: str) -> None:
         assert key(tenant) not in text and hash_api_key(key(tenant)) not in text
     lines = list(parse_lines(text.splitlines()))
     assert [(ln.tenant, ln.outcome, ln.status) for ln in lines] == [
-        ("acme", "served", 200),
-        ("acme", "served", 200),
-        ("limited", "served", 200),
-        ("limited", "limited", 429),
+        ("acme", Outcome.OK, 200),
+        ("acme", Outcome.OK, 200),
+        ("limited", Outcome.OK, 200),
+        ("limited", Outcome.LIMITED, 429),
     ]
     served = lines[0]
     assert served.deployment == "d" and served.model == "m"
@@ -232,9 +233,46 @@ def test_access_log_outcomes_of_spill_over_and_shedding() -> None:
             == 503
         )
     spilled, shed = parse_lines(out.getvalue().splitlines())
-    assert (spilled.outcome, spilled.status, spilled.reason) == ("spilled", 200, "no ready replica")
+    assert (spilled.outcome, spilled.status) == (Outcome.SPILLED, 200)
+    assert spilled.reason == "no ready replica"
     assert spilled.replica is None
-    assert (shed.outcome, shed.status) == ("shed", 503) and shed.reason
+    assert (shed.outcome, shed.status) == (Outcome.SHED, 503) and shed.reason
+
+
+def _requests_by_outcome(metrics_text: str) -> dict[str, float]:
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == "servefleet_gateway_requests_total" and sample.value
+    }
+
+
+def test_metrics_and_access_log_count_each_request_once_alike() -> None:
+    """One outcome per request, decided once: the metric's label and the log's line agree
+    (a /tokenize that admission would spill is shed: both say 503, not one of them `failed`)."""
+    out = io.StringIO()
+    limits = {"acme": {"requests_per_minute": 2}}
+    with ExitStack() as stack:
+        hosted = stack.enter_context(serve_in_thread(FakeOpenAI()))
+        gateway = Gateway(
+            config(["acme"], None, spill_url=hosted, limits=limits), access_log=AccessLog(out)
+        )
+        base = stack.enter_context(serve_in_thread(gateway))
+        internal = stack.enter_context(serve_in_thread(gateway.internal, lifespan="off"))
+        with httpx.Client(base_url=base, headers=auth("acme")) as client:
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            assert client.post("/tokenize", json={"model": "m", "prompt": "hi"}).status_code == 503
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 429
+        deadline = time.monotonic() + 10  # counted as the handler ends, after the answer
+        counted: dict[str, float] = {}
+        while sum(counted.values()) < 3:
+            assert time.monotonic() < deadline, counted
+            metrics = httpx.get(internal + "/metrics", headers=INTERNAL).text
+            counted = _requests_by_outcome(metrics)
+    logged = [line.outcome for line in parse_lines(out.getvalue().splitlines())]
+    assert logged == [Outcome.SPILLED, Outcome.SHED, Outcome.LIMITED]
+    assert counted == {o.value: 1.0 for o in logged}
 
 
 def test_the_gateway_command_serves_two_ports_and_its_log_replays_in_sim(
@@ -290,7 +328,7 @@ def test_the_gateway_command_serves_two_ports_and_its_log_replays_in_sim(
         proc.terminate()
         proc.wait(timeout=30)
     lines = [AccessLogLine.model_validate_json(x) for x in log.read_text().splitlines()]
-    assert len(lines) == 12 and {ln.outcome for ln in lines} == {"served"}
+    assert len(lines) == 12 and {ln.outcome for ln in lines} == {Outcome.OK}
     out = tmp_path / "sim"
     argv = ["sim", "--trace", str(log), "--out", str(out), "--jobs", "1", "--max-replicas", "2"]
     assert cli_main([*argv, "--policies", "fixed"]) == 0

@@ -7,7 +7,6 @@ import asyncio
 
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig
 from servefleet.gateway.pool import DeploymentPool, Lease, PoolRequest
-from servefleet.gateway.pool_resume import reroute_waiting
 from servefleet.gateway.queueing import TrafficClass
 
 R0, R1 = "http://r0", "http://r1"
@@ -40,7 +39,7 @@ async def test_a_broken_stream_takes_the_next_freed_slot_before_the_queue() -> N
     broken, busy = (first, second) if first.replica.endpoint == R0 else (second, first)
     pool.eject(broken.replica)  # it died mid-stream
     queued = asyncio.ensure_future(_lease(pool))  # a new request, waiting in the queue
-    resumed = asyncio.ensure_future(reroute_waiting(pool, broken, timeout_s=5))
+    resumed = asyncio.ensure_future(pool.reroute_waiting(broken, timeout_s=5))
     await asyncio.sleep(0.01)
     assert not resumed.done() and not queued.done()  # every other replica is busy
     assert broken.released  # its dead replica's slot is not held while it waits
@@ -56,7 +55,7 @@ async def test_with_no_other_ready_replica_it_gives_up_at_once() -> None:
     pool = _pool([R0])
     broken = await _lease(pool)
     pool.eject(broken.replica)
-    assert await asyncio.wait_for(reroute_waiting(pool, broken, timeout_s=30), 1) is None
+    assert await asyncio.wait_for(pool.reroute_waiting(broken, timeout_s=30), 1) is None
 
 
 async def test_the_wait_is_bounded_and_leaves_nothing_behind() -> None:
@@ -64,6 +63,6 @@ async def test_the_wait_is_bounded_and_leaves_nothing_behind() -> None:
     first, second = await _lease(pool), await _lease(pool)
     broken = first if first.replica.endpoint == R0 else second
     pool.eject(broken.replica)
-    assert await reroute_waiting(pool, broken, timeout_s=0.05) is None
+    assert await pool.reroute_waiting(broken, timeout_s=0.05) is None
     assert len(pool.resuming) == 0
     assert pool.in_flight == 1  # only the busy replica's request

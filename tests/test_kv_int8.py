@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servefleet.api.kv_cache import KV_CACHE_DTYPES
-from servefleet.cli import engine_cmd
 from servefleet.engine.attention import (
     AttentionMetadata,
     PagedAttention,
@@ -154,7 +152,3 @@ def test_capacity_per_byte_is_3_76x_float32_and_1_88x_float16() -> None:
     assert caches[0][0].shape == (3, 16, 3, 68) and caches[0][0].dtype == torch.int8
     total = caches[0][0].untyped_storage().nbytes()
     assert total == 3 * per_block[torch.int8]
-
-
-def test_cli_spells_the_cache_dtypes_of_the_api() -> None:
-    assert engine_cmd.KV_CACHE_DTYPES == KV_CACHE_DTYPES

@@ -20,7 +20,6 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from servefleet.api import load_quantization
 from servefleet.api.engines import EngineListen, engine_adapter
 from servefleet.api.llmdeployment import LLMDeploymentSpec
 from servefleet.bench.quant_models import SCHEMES, TINY, write_llama_gguf
@@ -66,11 +65,6 @@ def test_spec_quantization_reaches_our_engine_flag(mode: str) -> None:
     parsed = parser.parse_args(["--model", "m", "--quantization", mode])
     assert EngineConfig(**engine_cmd.engine_settings(parsed)).quantization == mode
     assert "--quantization" not in engine_args(SERVEFLEET)
-
-
-def test_cli_spells_the_api_flag_and_choices() -> None:
-    assert engine_cmd.QUANTIZATION_FLAG == load_quantization.QUANTIZATION_FLAG
-    assert engine_cmd.LOAD_QUANTIZATIONS == load_quantization.LOAD_QUANTIZATIONS
 
 
 def test_load_quantization_is_refused_for_other_engines_and_kinds() -> None:

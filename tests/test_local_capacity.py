@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from servefleet.api.engine_resources import parse_cpu
 from servefleet.api.llmdeployment import LLMDeploymentSpec
 from servefleet.api.manifests import load_llmdeployments
 from servefleet.autoscaler.signals import ReplicaState
@@ -17,7 +18,6 @@ from servefleet.local.capacity import (
     LocalCapacity,
     MachineResources,
     footprint_from_spec,
-    parse_cpu,
     read_machine,
 )
 from servefleet.local.plane import LocalControlPlane, LocalOptions

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from servefleet.api import LLMDeployment
 from servefleet.api.crd import crd_manifest
 from servefleet.api.fetch_progress import FETCH_CONTAINER, FetchProgress, last_report, parse_line
+from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.api.model_source import ModelSource
 from servefleet.operator import render
 from servefleet.operator.model_loading import fetching_pods, model_loading
@@ -263,7 +263,7 @@ def test_loading_is_read_from_what_the_fetcher_really_logs(tmp_path: Path) -> No
 
 
 def test_the_huggingface_example_renders_a_cached_fetch() -> None:
-    from servefleet.api import load_llmdeployments
+    from servefleet.api.manifests import load_llmdeployments
 
     root = Path(__file__).resolve().parents[1]
     (dep,) = load_llmdeployments(root / "examples" / "llmdeployment-huggingface.yaml")

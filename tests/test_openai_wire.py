@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import (
     REFUSED_FIELDS,
     VENDOR_EXTENSIONS,
@@ -17,7 +18,6 @@ from servefleet.api.openai_requests import (
 )
 from servefleet.api.openai_wire import (
     MAX_JSON_DEPTH,
-    RequestRejected,
     json_depth_exceeds,
     parse_request,
     validate,
@@ -62,7 +62,7 @@ def test_bounding_is_linear_in_time() -> None:
     ],
 )
 def test_bad_bodies_are_refused_before_validation(raw: bytes, status: int, needle: str) -> None:
-    with pytest.raises(RequestRejected) as caught:
+    with pytest.raises(OpenAIError) as caught:
         parse_request(ChatCompletionRequest, raw)
     assert caught.value.status == status and needle in caught.value.message
     assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}
@@ -89,7 +89,7 @@ def test_bad_bodies_are_refused_before_validation(raw: bytes, status: int, needl
 def test_strict_types_unknown_and_refused_fields_name_the_param(
     extra: dict[str, Any], param: str | None
 ) -> None:
-    with pytest.raises(RequestRejected) as caught:
+    with pytest.raises(OpenAIError) as caught:
         validate(CompletionRequest, {"model": "m", "prompt": "x", **extra})
     assert caught.value.status == 400 and caught.value.param == param
     if param is not None:
@@ -97,7 +97,7 @@ def test_strict_types_unknown_and_refused_fields_name_the_param(
 
 
 def test_unknown_fields_come_first_and_use_openais_words() -> None:
-    with pytest.raises(RequestRejected) as caught:
+    with pytest.raises(OpenAIError) as caught:
         validate(ChatCompletionRequest, {**CHAT, "n": 0, "moderation": {}})
     assert caught.value.param == "moderation"
     assert caught.value.message.startswith("Unrecognized request argument supplied: moderation")
@@ -118,7 +118,7 @@ def test_unknown_fields_come_first_and_use_openais_words() -> None:
     ],
 )  # fmt: skip
 def test_messages_refuse_what_a_text_model_cannot_read(message: dict[str, Any], param: str) -> None:
-    with pytest.raises(RequestRejected) as caught:
+    with pytest.raises(OpenAIError) as caught:
         validate(ChatCompletionRequest, {**CHAT, "messages": [message]})
     assert caught.value.param == param
 
@@ -156,7 +156,7 @@ def test_prompt_and_input_lists() -> None:
     assert validate(CompletionRequest, {"model": "m", "prompt": [1, 2]}).prompts() == [[1, 2]]
     empties: tuple[list[Any], ...] = ([], [[]])
     for empty in empties:
-        with pytest.raises(RequestRejected):
+        with pytest.raises(OpenAIError):
             validate(EmbeddingRequest, {"model": "m", "input": empty})
     assert validate(EmbeddingRequest, {"model": "m", "input": [[1], [2, 3]]}).inputs() == [
         [1],
@@ -174,7 +174,7 @@ def test_prompt_and_input_lists() -> None:
 )
 def test_a_lone_surrogate_is_a_400_not_a_tokenizer_crash(raw: bytes) -> None:
     # json.loads keeps an unpaired surrogate; tokenizers and str.encode() then raise (a 500).
-    with pytest.raises(RequestRejected) as caught:
+    with pytest.raises(OpenAIError) as caught:
         parse_request(CompletionRequest, raw)
     assert caught.value.status == 400 and caught.value.code == "invalid_unicode"
     assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}

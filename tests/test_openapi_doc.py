@@ -15,7 +15,8 @@ from pydantic import BaseModel
 
 from servefleet.api.openai_requests import REFUSED_FIELDS
 from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
-from servefleet.engine.server import ServingState, build_app
+from servefleet.engine.server import build_app
+from servefleet.engine.serving_state import ServingState
 from servefleet.gateway.app import Gateway
 from tests.test_fuzz_regressions import one_tenant_config
 

@@ -16,8 +16,8 @@ import kopf
 import pytest
 from pydantic import SecretBytes
 
-from servefleet.api import LLMDeployment
 from servefleet.api.conventions import POD_DELETION_COST
+from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.kube import KubeAccess, KubeError, ObjectList
 from servefleet.kube.resources import Resource
 from servefleet.operator.handlers import build_registry, engine_needs_repair, plain

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import yaml
 
-from servefleet.api import LLMDeployment, load_llmdeployments
 from servefleet.api.conventions import (
     LABEL_DEPLOYMENT,
     LABEL_GATEWAY_ROUTE,
@@ -17,6 +16,8 @@ from servefleet.api.conventions import (
 )
 from servefleet.api.engines import ENGINE_ADAPTERS
 from servefleet.api.gateway_config import GatewayConfig
+from servefleet.api.llmdeployment import LLMDeployment
+from servefleet.api.manifests import load_llmdeployments
 from servefleet.api.route_signature import signature_matches
 from servefleet.operator import render
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from servefleet.api import LLMDeployment, LLMDeploymentStatus
+from servefleet.api.llmdeployment import LLMDeployment, LLMDeploymentStatus
 from servefleet.operator.status import Observed, compute_status, status_patch, transition_events
 
 NOW, LATER = "2025-01-01T00:00:00Z", "2025-01-01T00:05:00Z"

@@ -1,22 +1,5 @@
-"""The LLMDeployment API shared by every servefleet component."""
+"""Every shared contract of servefleet, one module each (see this room's README).
 
-from servefleet.api.llmdeployment import *  # noqa: F403
-from servefleet.api.llmdeployment import __all__ as _model_names
-from servefleet.api.manifests import (
-    ManifestError,
-    load_llmdeployments,
-    load_secrets,
-    parse_llmdeployment,
-    resolve_secret,
-    secret_env_name,
-)
-
-__all__ = [
-    *_model_names,
-    "ManifestError",
-    "load_llmdeployments",
-    "load_secrets",
-    "parse_llmdeployment",
-    "resolve_secret",
-    "secret_env_name",
-]
+Deliberately empty: importing one contract (say the CLI's `engine_flags`, before it binds a
+port) must not load the others, pydantic and all. Import from the module that defines a name.
+"""

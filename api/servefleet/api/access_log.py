@@ -9,15 +9,20 @@ are ignored, so the log may grow. There is no field for a key: a line never hold
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servefleet.api.outcomes import Outcome, request_outcome
 from servefleet.api.traffic import TrafficClass
 
-Outcome = Literal["served", "spilled", "shed", "limited", "failed"]
-"""served: by a replica; spilled: by the hosted API; shed: 503 by admission; limited: 429 by
-the tenant's limits (never reached the pool); failed: anything else (4xx, upstream errors)."""
+_EARLIER_OUTCOMES: dict[str, Outcome | None] = {
+    "served": Outcome.OK,
+    "shed": Outcome.SHED,
+    "limited": Outcome.LIMITED,
+    "failed": None,
+}
+"""How logs written before `servefleet.api.outcomes` spelled an outcome."""
 
 
 class AccessLogLine(BaseModel):
@@ -30,7 +35,7 @@ class AccessLogLine(BaseModel):
     model: str = ""
     tenant: str = ""
     traffic_class: TrafficClass = "interactive"
-    outcome: Outcome = "served"
+    outcome: Outcome = Field(default=Outcome.OK, description="`servefleet.api.outcomes`")
     prompt_tokens: int = Field(default=0, ge=0)
     completion_tokens: int = Field(default=0, ge=0)
     queue_wait_s: float = Field(default=0.0, ge=0, description="arrival to leaving the queue")
@@ -40,6 +45,20 @@ class AccessLogLine(BaseModel):
     replica: str | None = Field(default=None, description="the replica that answered")
     reason: str | None = Field(default=None, description="why it was spilled or shed")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_spelling(cls, data: Any) -> Any:
+        """Last week's log still replays: an outcome in the earlier words is read as ours
+        (`failed` reached the pool and did not complete; its status says how)."""
+        outcome = data.get("outcome") if isinstance(data, dict) else None
+        if not isinstance(outcome, str) or outcome not in _EARLIER_OUTCOMES:
+            return data
+        status = data.get("status", 200)
+        ours = _EARLIER_OUTCOMES[outcome] or request_outcome(
+            Outcome.OK, status if isinstance(status, int) else 200, completed=False
+        )
+        return {**data, "outcome": ours}
+
     @property
     def service_s(self) -> float:
         """Time the request held a replica slot (what the simulator replays)."""
@@ -48,7 +67,7 @@ class AccessLogLine(BaseModel):
     @property
     def offered_to_pool(self) -> bool:
         """False for requests the tenant's limits refused before any capacity was asked."""
-        return self.outcome != "limited"
+        return self.outcome is not Outcome.LIMITED
 
     @property
     def tokens(self) -> int:

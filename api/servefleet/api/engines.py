@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from servefleet.api.engine_flags import API_KEY_ENV, flag
 from servefleet.api.llmdeployment import VLLM_QUANTIZATIONS, EngineKind, LLMDeploymentSpec
-from servefleet.api.load_quantization import LOAD_QUANTIZATIONS, QUANTIZATION_FLAG
-from servefleet.api.speculative import SPECULATIVE_CONFIG_FLAG
+from servefleet.api.load_quantization import LOAD_QUANTIZATIONS
 
 LISTEN_ALL = "0.0.0.0"
 """The host a pod's engine binds: every interface, as probes and the Service reach it."""
@@ -93,11 +93,13 @@ class EngineAdapter:
         return [] if self.api_key_flag is None else [self.api_key_flag, f"$({self.api_key_env})"]
 
 
-def _common(flag: str, spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
-    """Model, served name, host and port: every engine spells these alike but `flag`."""
+def _common(
+    model_flag: str, spec: LLMDeploymentSpec, model: str, listen: EngineListen
+) -> list[str]:
+    """vLLM and SGLang: model, served name, host and port, spelled alike but `model_flag`."""
     served = spec.model.name
     return [
-        flag,
+        model_flag,
         model,
         "--served-model-name",
         served,
@@ -110,35 +112,49 @@ def _common(flag: str, spec: LLMDeploymentSpec, model: str, listen: EngineListen
 
 def _when_set(*flags: tuple[str, object | None]) -> list[str]:
     """`flag value` for each knob the spec sets; an unset one keeps the engine's default."""
-    return [part for flag, value in flags if value is not None for part in (flag, str(value))]
+    return [part for name, value in flags if value is not None for part in (name, str(value))]
 
 
 def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
+    """Our engine's flags, each spelled as its knob table (`engine_flags`) spells it."""
     engine, concurrency = spec.engine, spec.pool.per_replica_concurrency
     kv = engine.kv_cache_size()
-    flags = _common("--model", spec, model, listen)
-    flags += ["--block-size", str(engine.block_size), "--dtype", engine.dtype]
-    flags += ["--drain-timeout", str(engine.drain_timeout_seconds)]
-    flags += _when_set(("--kv-cache-memory", kv and kv.flag_value()))
     # The gateway sends a replica at most perReplicaConcurrency requests at once (it holds
     # the real queue), so the engine batches that many and queues no more than that.
-    flags += ["--max-num-seqs", str(engine.max_num_seqs or concurrency)]
-    flags += ["--max-queue-depth", str(concurrency)]
-    flags += _when_set(("--max-num-batched-tokens", engine.max_num_batched_tokens))
+    flags = _ours(
+        ("model", model),
+        ("served_model_name", spec.model.name),
+        ("host", listen.host),
+        ("port", listen.port),
+        ("block_size", engine.block_size),
+        ("dtype", engine.dtype),
+        ("drain_timeout", engine.drain_timeout_seconds),
+        ("kv_cache_memory", kv and kv.flag_value()),
+        ("max_num_seqs", engine.max_num_seqs or concurrency),
+        ("max_queue_depth", concurrency),
+        ("max_num_batched_tokens", engine.max_num_batched_tokens),
+    )
     if not engine.prefix_caching:
-        flags.append("--no-prefix-caching")
-    flags += _speculative(spec, ours=True)
+        flags.append(flag("enable_prefix_caching"))
+    speculative = engine.speculative
+    if speculative is not None:
+        flags += [flag("speculative_config"), speculative.flag_value(ours=True)]
     if spec.model.quantization in LOAD_QUANTIZATIONS:  # quantized at load; others: as stored
-        flags += [QUANTIZATION_FLAG, spec.model.quantization]
-    return flags + _when_set(("--max-model-len", engine.max_model_len))
+        flags += _ours(("quantization", spec.model.quantization))
+    return flags + _ours(("max_model_len", engine.max_model_len))
 
 
-def _speculative(spec: LLMDeploymentSpec, *, ours: bool) -> list[str]:
-    """servefleet and vLLM read the same JSON; only ours knows its adaptive keys."""
+def _ours(*knobs: tuple[str, object | None]) -> list[str]:
+    """`--flag value` for each of our knobs the spec sets; unset ones keep the default."""
+    return _when_set(*((flag(name), value) for name, value in knobs))
+
+
+def _speculative(spec: LLMDeploymentSpec) -> list[str]:
+    """vLLM reads our flag's JSON, without our adaptive keys (its parser refuses them)."""
     speculative = spec.engine.speculative
     if speculative is None:
         return []
-    return [SPECULATIVE_CONFIG_FLAG, speculative.flag_value(ours=ours)]
+    return ["--speculative-config", speculative.flag_value(ours=False)]
 
 
 def _quantization(spec: LLMDeploymentSpec) -> list[str]:
@@ -163,7 +179,7 @@ def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> lis
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
     )
     flags += _when_set(("--max-model-len", engine.max_model_len))
-    return flags + _speculative(spec, ours=False) + _quantization(spec)
+    return flags + _speculative(spec) + _quantization(spec)
 
 
 def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
@@ -203,7 +219,7 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         metrics=_VLLM_METRICS,
         build_args=_servefleet_args,
         needs_shared_memory=False,
-        api_key_env="SERVEFLEET_API_KEY",
+        api_key_env=API_KEY_ENV,
         api_key_flag=None,
         image_scratch="/tmp/servefleet",  # the Dockerfile's SERVEFLEET_CACHE_DIR
     ),
@@ -239,7 +255,7 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         ),
         build_args=_sglang_args,
         needs_shared_memory=True,
-        api_key_env="SERVEFLEET_API_KEY",
+        api_key_env=API_KEY_ENV,
         api_key_flag="--api-key",
         image_scratch=None,
     ),

@@ -162,7 +162,11 @@ class GatewayDeployment(ConfigModel):
         description="Key the engines require (sent as a Bearer token); unset: engines are open.",
     )
     default_max_tokens: int = Field(
-        default=512, ge=1, description="Reserved completion tokens when a request sets none."
+        default=512,
+        ge=1,
+        description="Completion tokens reserved per choice for a chat without max_tokens when "
+        "the gateway does not know the context length (no tokenizer, no max_model_len); "
+        "otherwise it reserves what the engine allows (`servefleet.api.max_tokens`).",
     )
     cold_start_seconds: float = Field(
         default=30.0, gt=0, description="Cold start assumed until one is measured."

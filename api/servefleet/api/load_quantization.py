@@ -10,4 +10,3 @@ from typing import Literal, get_args
 
 LoadQuantization = Literal["int8", "int4"]
 LOAD_QUANTIZATIONS: tuple[str, ...] = get_args(LoadQuantization)
-QUANTIZATION_FLAG = "--quantization"

@@ -14,4 +14,3 @@ from typing import Literal, get_args
 
 MatmulDtype = Literal["float32", "bfloat16"]
 MATMUL_DTYPES: tuple[str, ...] = get_args(MatmulDtype)
-MATMUL_DTYPE_FLAG = "--matmul-dtype"

@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from servefleet.api import request_caps as caps
 from servefleet.api.openai_messages import ChatMessage, StrictModel
+from servefleet.api.seeds import SEED_MAX, SEED_MIN
 
 # Fields outside OpenAI's API that we honour (vLLM's names and meanings).
 VENDOR_EXTENSIONS: tuple[str, ...] = (
@@ -144,7 +145,7 @@ class SamplingRequest(_RefusesKnownFields):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # `servefleet.api.seeds`
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     n: int = Field(default=1, ge=1, le=16)

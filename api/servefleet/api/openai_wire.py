@@ -5,7 +5,8 @@ Hostile bodies are stopped before the JSON parser sees them: a body over `MAX_BO
 until it fails with a 500); after it, a string with an unpaired UTF-16 surrogate escape is a
 400 (Python's parser keeps it, and tokenizers fail on it). Request headers over
 `MAX_HEADER_BYTES` are a 431 (`HeaderLimit`).
-Every refusal has OpenAI's error shape and names the offending parameter.
+Every refusal is an `OpenAIError` (`servefleet.api.openai_errors`) naming the offending
+parameter.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from servefleet.api.openai_errors import OpenAIError, error_bytes
+
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 MAX_HEADER_BYTES = 32 * 1024
@@ -31,36 +34,6 @@ _CHUNK = 1 << 16
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # A `\uD800`-`\uDFFF` escape: only bodies holding one are checked for an unpaired surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-class RequestRejected(Exception):
-    """A request refused before it did anything: status, OpenAI error fields."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -85,27 +58,31 @@ def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
 def parse_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, bounded in size and depth before it is parsed."""
     if len(raw) > MAX_BODY_BYTES:
-        raise RequestRejected(
-            413, f"The request body is larger than {MAX_BODY_BYTES} bytes.",
+        raise OpenAIError(
+            status=413,
+            message=f"The request body is larger than {MAX_BODY_BYTES} bytes.",
             code="request_too_large",
-        )  # fmt: skip
+        )
     if json_depth_exceeds(raw):
-        raise RequestRejected(
-            400, f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.",
+        raise OpenAIError(
+            status=400,
+            message=f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.",
             code="json_too_deep",
-        )  # fmt: skip
+        )
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         message = f"We could not parse the JSON body of your request: {exc}"
-        raise RequestRejected(400, message) from None
+        raise OpenAIError(status=400, message=message) from None
     if not isinstance(data, dict):
-        raise RequestRejected(400, "The request body must be a JSON object.")
+        raise OpenAIError(status=400, message="The request body must be a JSON object.")
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
-        raise RequestRejected(
-            400, "The request body holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF), "
-            "which is not a Unicode character.", code="invalid_unicode",
-        )  # fmt: skip
+        raise OpenAIError(
+            status=400,
+            message="The request body holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF), "
+            "which is not a Unicode character.",
+            code="invalid_unicode",
+        )
     return data
 
 
@@ -152,7 +129,7 @@ def validate(model: type[ModelT], data: dict[str, Any]) -> ModelT:
         return model.model_validate(data)
     except ValidationError as exc:
         message, param = describe(exc)
-        raise RequestRejected(400, message, param=param) from None
+        raise OpenAIError(status=400, message=message, param=param) from None
 
 
 def parse_request(model: type[ModelT], raw: bytes) -> tuple[dict[str, Any], ModelT]:
@@ -193,7 +170,7 @@ async def send_json(
 
 async def send_header_error(send: Send) -> None:
     message = f"Request headers are larger than {MAX_HEADER_BYTES} bytes."
-    body = json.dumps(error_body(message, code="request_header_fields_too_large")).encode()
+    body = error_bytes(message=message, code="request_header_fields_too_large")
     await send_json(send, 431, body, [(b"connection", b"close")])
 
 

@@ -4,7 +4,7 @@ The engine and the gateway answer the same OpenAI paths with the same request mo
 (`servefleet.api.openai_requests`), so the document is written once here and each server
 serves only the paths it routes (`openapi_document`). Request bodies are the models' own JSON
 Schemas, so a field added to a model appears in the document without another edit; every 4xx
-and 5xx is OpenAI's error shape (`servefleet.api.openai_wire.error_body`).
+and 5xx is OpenAI's error shape (`servefleet.api.openai_errors.error_body`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SPECULATIVE_CONFIG_FLAG = "--speculative-config"
-
 
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

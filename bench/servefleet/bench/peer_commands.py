@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from servefleet.api.matmul_dtype import MATMUL_DTYPE_FLAG
+from servefleet.api.engine_flags import flag
 from servefleet.bench.client import Endpoint
 from servefleet.bench.processes import servefleet_command
 
@@ -88,7 +88,7 @@ def servefleet_peer(s: PeerSettings) -> PeerCommand:
         str(s.threads),
         "--max-num-seqs",
         str(s.parallel),
-        MATMUL_DTYPE_FLAG,
+        flag("matmul_dtype"),
         s.matmul_dtype,
         "--kv-cache-dtype",
         s.kv_cache_dtype,

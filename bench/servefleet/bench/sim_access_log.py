@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from servefleet.api.access_log import AccessLogLine, dump_lines, parse_lines
+from servefleet.api.outcomes import Outcome
 
 from .sim_trace import Trace, TraceSpec, make_trace
 
@@ -32,11 +33,11 @@ def read_access_log(path: Path, deployment: str | None = None) -> Trace:
         raise ValueError(f"{path}: no requests" + (f" for {deployment}" if deployment else ""))
     lines.sort(key=lambda line: line.ts)
     start = lines[0].ts
-    timed = [ln.service_s / max(ln.tokens, 1) for ln in lines if ln.outcome == "served"]
+    timed = [ln.service_s / max(ln.tokens, 1) for ln in lines if ln.outcome is Outcome.OK]
     per_token = float(np.median(timed)) if timed else 0.015
     arrivals = np.array([ln.ts - start for ln in lines])
     service = np.array(
-        [ln.service_s if ln.outcome == "served" else ln.tokens * per_token for ln in lines]
+        [ln.service_s if ln.outcome is Outcome.OK else ln.tokens * per_token for ln in lines]
     )
     return Trace(
         name=f"log:{path.name}",

@@ -14,13 +14,15 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from servefleet.api.openai_wire import error_body, send_json
+from servefleet.api.openai_errors import error_body
+from servefleet.api.openai_wire import send_json
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
 
 _UNAUTHORIZED = json.dumps(
     error_body(
-        "Incorrect or missing API key: send `Authorization: Bearer KEY`.", code="invalid_api_key"
+        message="Incorrect or missing API key: send `Authorization: Bearer KEY`.",
+        code="invalid_api_key",
     )
 ).encode()
 

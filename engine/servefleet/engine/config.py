@@ -1,11 +1,24 @@
-"""Engine settings: one pydantic model behind the CLI flags and the operator's args."""
+"""Engine settings: one pydantic model behind the CLI flags and the operator's args.
+
+Each field's default, description and bounds come from the knob table
+(`servefleet.api.engine_flags`), which the CLI builds its flags from too; the field's type
+is written here so the model stays typed (a test checks type and allowed values against
+the table).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from servefleet.api.engine_flags import (
+    DecodeKernelChoice,
+    MatmulChoice,
+    ToolCallParser,
+    WeightsDtype,
+    engine_flag,
+)
 from servefleet.api.kv_cache import KVCacheDtype
 from servefleet.api.load_quantization import LoadQuantization
 from servefleet.api.matmul_dtype import MatmulDtype
@@ -18,77 +31,48 @@ class EngineSettingsError(ValueError):
     budget under two blocks); reported in one line, not as a traceback."""
 
 
+def knob(name: str, **extra: Any) -> Any:
+    """The field of knob `name`: default, description and bounds from the table."""
+    row = engine_flag(name)
+    return Field(
+        default=... if row.required else row.default,
+        description=row.help,
+        ge=row.minimum,
+        gt=row.above,
+        le=row.maximum,
+        **extra,
+    )
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="GGUF file, Hugging Face folder, or built-in model name.")
-    served_model_name: str | None = Field(default=None, description="Name clients ask for.")
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    device: str = "auto"
-    block_size: int = Field(default=16, ge=1, le=256)
-    kv_cache_memory: str = Field(
-        default="384MiB",
-        description="Most bytes the KV cache reserves (it holds what max_num_seqs x "
-        "max_model_len needs, up to this), or a fraction of free memory.",
-    )
-    kv_cache_dtype: KVCacheDtype = Field(
-        default="auto",
-        description="auto: the model's dtype; float16 halves attention reads, not batch-invariant; "
-        "int8: quantized rows with a per-token scale, ~3.8x the tokens of float32 (not Triton).",
-    )
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=512, ge=1)
-    max_queue_depth: int = Field(default=256, ge=0)
-    max_model_len: int | None = Field(default=None, ge=16)
-    enable_prefix_caching: bool = True
-    drain_timeout: float = Field(default=30.0, ge=0)
-    stall_timeout: float = Field(default=120.0, gt=0)
-    prepare_timeout: float = Field(
-        default=10.0,
-        gt=0,
-        description="Seconds one request may spend being prepared (chat template, tokens, "
-        "grammar compile) before it is refused as too complex (400 request_too_complex).",
-    )
-    decode_kernel: Literal["auto", "torch", "cpu-c", "triton"] = "auto"
-    matmul: Literal["auto", "torch", "cpu-c"] = Field(
-        default="auto", description="Projection matmuls: auto = C few-row kernels on CPU."
-    )
-    matmul_dtype: MatmulDtype = Field(
-        default="float32",
-        description="bfloat16: projection calls of 8+ rows (prompt chunks, decode steps of 8+ "
-        "sequences) multiply bfloat16-rounded x and W, summed in float32; fast where the CPU has "
-        "AVX512_BF16 or AMX; a float32 model on CPU with the C matmuls only; not batch-invariant.",
-    )
-    packed_weights: bool = Field(
-        default=True,
-        description="Decode matmuls read a quantized checkpoint's 4/8-bit blocks (CPU, float32).",
-    )
-    quantization: LoadQuantization | None = Field(
-        default=None,
-        description="Quantize a float checkpoint's projections at load to packed int8 or int4 "
-        "blocks (CPU, float32, packed weights on); None: weights as stored.",
-    )
-    threads: int | None = Field(default=None, ge=1)
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        default=None,
-        description="How `tool_choice: auto` reads the model's tool calls (None: from the chat "
-        "template).",
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["text", "json"] = "text"
-    api_key: str | None = Field(
-        default=None,
-        repr=False,
-        description="Bearer key every path but /health, /ready, /metrics and /version "
-        "requires (None: open, as vLLM without --api-key).",
-    )
-
-    speculative_config: SpeculativeConfig | None = Field(
-        default=None,
-        description="Speculative decoding, vLLM's JSON (`--speculative-config`); None: off.",
-    )
+    model: str = knob("model")
+    served_model_name: str | None = knob("served_model_name")
+    host: str = knob("host")
+    port: int = knob("port")
+    api_key: str | None = knob("api_key", repr=False)
+    dtype: WeightsDtype = knob("dtype")
+    device: str = knob("device")
+    tool_call_parser: ToolCallParser | None = knob("tool_call_parser")
+    drain_timeout: float = knob("drain_timeout")
+    stall_timeout: float = knob("stall_timeout")
+    prepare_timeout: float = knob("prepare_timeout")
+    block_size: int = knob("block_size")
+    kv_cache_memory: str = knob("kv_cache_memory")
+    kv_cache_dtype: KVCacheDtype = knob("kv_cache_dtype")
+    max_num_seqs: int = knob("max_num_seqs")
+    max_num_batched_tokens: int = knob("max_num_batched_tokens")
+    max_queue_depth: int = knob("max_queue_depth")
+    max_model_len: int | None = knob("max_model_len")
+    enable_prefix_caching: bool = knob("enable_prefix_caching")
+    speculative_config: SpeculativeConfig | None = knob("speculative_config")
+    decode_kernel: DecodeKernelChoice = knob("decode_kernel")
+    matmul: MatmulChoice = knob("matmul")
+    matmul_dtype: MatmulDtype = knob("matmul_dtype")
+    packed_weights: bool = knob("packed_weights")
+    quantization: LoadQuantization | None = knob("quantization")
+    threads: int | None = knob("threads")
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_messages import content_text
 from servefleet.api.openai_requests import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from servefleet.api.openai_version import version_body
@@ -32,12 +33,12 @@ from servefleet.engine.preparation import (
     check_inputs_fit,
 )
 from servefleet.engine.prepare_pool import Budget
-from servefleet.engine.protocol import OpenAIError, new_id, usage
+from servefleet.engine.protocol import new_id, usage
 from servefleet.engine.request_checks import admit, model_not_found, parse, prompt_ids
 from servefleet.text.messages import template_messages
 
 if TYPE_CHECKING:
-    from servefleet.engine.server import ServingState
+    from servefleet.engine.serving_state import ServingState
 
 
 def model_card(state: ServingState) -> dict[str, Any]:
@@ -89,7 +90,9 @@ def add_extra_routes(app: FastAPI, state: ServingState) -> None:
         bad = [t for t in body.tokens if t >= vocab]
         if bad:
             raise OpenAIError(
-                400, f"tokens: ids out of range [0, {vocab}): {bad[:5]}", param="tokens"
+                status=400,
+                message=f"tokens: ids out of range [0, {vocab}): {bad[:5]}",
+                param="tokens",
             )
         return {"prompt": state.tokenizer.decode(body.tokens)}
 

@@ -26,7 +26,7 @@ from servefleet.engine.config import EngineConfig
 from servefleet.engine.startup_gate import StartupGate
 
 if TYPE_CHECKING:
-    from servefleet.engine.server import ServingState
+    from servefleet.engine.serving_state import ServingState
 
 log = logging.getLogger("servefleet.engine")
 

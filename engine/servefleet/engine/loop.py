@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from servefleet.api.seeds import new_seed
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.engine.output_processor import OutputProcessor
 from servefleet.engine.runner import ModelRunner
@@ -263,7 +263,7 @@ class Engine:
         # prompt, delivered tokens): reproducible in any batch and resumable elsewhere.
         base_seed = request.params.seed
         if base_seed is None:
-            base_seed = secrets.randbits(63)
+            base_seed = new_seed()
         for index in range(request.n):
             params = _with_seed(request.params, base_seed + index)
             seq = Sequence(

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from servefleet.api.kv_cache import KV_CACHE_BYTES_PER_TOKEN_METRIC, KV_CACHE_DTYPE_LABEL
 
 if TYPE_CHECKING:
-    from servefleet.engine.spec.speculator import SpecDecodeStats
+    from servefleet.engine.spec.stats import SpecDecodeStats
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,

@@ -14,18 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_messages import content_text
 from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from servefleet.api.request_caps import utf8_len
 from servefleet.engine.prepare_pool import Budget
-from servefleet.engine.protocol import OpenAIError
 from servefleet.engine.request_checks import check_lengths, prompt_ids
 from servefleet.engine.structured.constraint import requested_constraint
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from servefleet.engine.server import ServingState
+    from servefleet.engine.serving_state import ServingState
 
 # Inputs up to this size (and nothing to compile) are prepared on the event loop: ~10 ms of
 # tokenizing at most, less than a thread hop costs a typical request in waiting.
@@ -50,10 +50,10 @@ def check_fits(state: ServingState, size: int, param: str) -> None:
     per_token = state.tokenizer.longest_token_bytes
     if size > state.max_model_len * per_token:
         raise OpenAIError(
-            400,
-            f"This model's maximum context length is {state.max_model_len} tokens; the {param} "
-            f"has {size} bytes, more than that many tokens (at most {per_token} bytes each) "
-            f"hold. Please reduce the length of the {param}.",
+            status=400,
+            message=f"This model's maximum context length is {state.max_model_len} tokens; "
+            f"the {param} has {size} bytes, more than that many tokens (at most {per_token} "
+            f"bytes each) hold. Please reduce the length of the {param}.",
             param=param,
             code="context_length_exceeded",
         )
@@ -62,9 +62,9 @@ def check_fits(state: ServingState, size: int, param: str) -> None:
 def check_ids_fit(state: ServingState, count: int, param: str) -> None:
     if count > state.max_model_len:
         raise OpenAIError(
-            400,
-            f"This model's maximum context length is {state.max_model_len} tokens; the {param} "
-            f"has {count}.",
+            status=400,
+            message=f"This model's maximum context length is {state.max_model_len} tokens; "
+            f"the {param} has {count}.",
             param=param,
             code="context_length_exceeded",
         )
@@ -104,7 +104,7 @@ def prepare_chat(state: ServingState, body: ChatCompletionRequest, budget: Budge
     check_fits(state, utf8_len(prompt), "messages")
     ids = state.tokenizer.encode(prompt, add_special_tokens=False)
     budget.check("messages", "tokenization")
-    max_tokens = check_lengths(state, ids, body.requested_max_tokens, "messages")
+    max_tokens = check_lengths(state, ids, body.requested_max_tokens, "messages", chat=True)
     grammar = state.structured.compile(plan.constraint, budget)
     return Prepared([PreparedPrompt(ids, max_tokens)], grammar)
 
@@ -118,11 +118,11 @@ def check_completion(state: ServingState, body: CompletionRequest) -> bool:
 
 
 def prepare_completion(state: ServingState, body: CompletionRequest, budget: Budget) -> Prepared:
-    requested = body.max_tokens if body.max_tokens is not None else 16
     prompts = []
     for prompt in body.prompts():
         ids = prompt_ids(state, prompt, "prompt")
         budget.check("prompt", "tokenization")
-        prompts.append(PreparedPrompt(ids, check_lengths(state, ids, requested, "prompt")))
+        max_tokens = check_lengths(state, ids, body.max_tokens, "prompt", chat=False)
+        prompts.append(PreparedPrompt(ids, max_tokens))
     spec = state.structured.completion_constraint(body)
     return Prepared(prompts, state.structured.compile(spec, budget))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from servefleet.engine.protocol import OpenAIError
+from servefleet.api.openai_errors import OpenAIError
 
 log = logging.getLogger("servefleet.engine.prepare")
 
@@ -97,8 +97,8 @@ class Preparer:
     async def _on_worker(self, work: Callable[[Budget], T], param: str) -> T:
         if self.pending >= self.capacity:
             raise OpenAIError(
-                503,
-                "the engine is busy preparing other large requests; retry later",
+                status=503,
+                message="the engine is busy preparing other large requests; retry later",
                 type="service_unavailable",
                 code="prepare_queue_full",
                 headers={"Retry-After": "2"},
@@ -136,9 +136,9 @@ class Preparer:
             self.budget_s,
         )
         return OpenAIError(
-            400,
-            f"{param}: this request needs more than {self.budget_s:g} s to prepare ({stage}); "
-            "send a smaller or simpler one",
+            status=400,
+            message=f"{param}: this request needs more than {self.budget_s:g} s to prepare "
+            f"({stage}); send a smaller or simpler one",
             param=param,
             code="request_too_complex",
         )

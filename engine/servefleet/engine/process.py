@@ -37,7 +37,8 @@ from servefleet.engine.runner import ModelRunner
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
 from servefleet.engine.sequence import Sequence
-from servefleet.engine.server import ServingState, build_app
+from servefleet.engine.server import build_app
+from servefleet.engine.serving_state import ServingState
 from servefleet.engine.spec.draft_setup import build_draft_proposer
 from servefleet.engine.spec.speculator import Speculator
 from servefleet.text.builtin import UnknownModelError

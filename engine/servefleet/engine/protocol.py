@@ -1,4 +1,4 @@
-"""The engine's side of the OpenAI API: its error, ids, usage, and request -> sampling params.
+"""The engine's side of the OpenAI API: ids, usage, and request -> sampling params.
 
 The request bodies themselves are shared with the gateway (`servefleet.api.openai_requests`);
 what only the engine knows (the vocabulary, its `SamplingParams`) is applied here.
@@ -10,46 +10,10 @@ import time
 import uuid
 from typing import Any
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import SamplingRequest
-from servefleet.api.openai_wire import RequestRejected
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.sequence import Priority
-
-
-class OpenAIError(Exception):
-    """Raised anywhere in request handling; rendered as OpenAI's error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def from_rejected(exc: RequestRejected) -> OpenAIError:
-    return OpenAIError(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
 
 
 def priority_value(body: SamplingRequest) -> int:
@@ -67,7 +31,9 @@ def sampling_params(
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise OpenAIError(
-                400, f"{name}: token ids out of range [0, {vocab_size}): {bad[:5]}", param=name
+                status=400,
+                message=f"{name}: token ids out of range [0, {vocab_size}): {bad[:5]}",
+                param=name,
             )
     return SamplingParams(
         max_tokens=max_tokens,

@@ -14,13 +14,14 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from servefleet.api.max_tokens import completion_budget
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import SamplingRequest
-from servefleet.api.openai_wire import MAX_BODY_BYTES, RequestRejected, parse_request
+from servefleet.api.openai_wire import MAX_BODY_BYTES, parse_request
 from servefleet.api.stream_resume import RESUME_TOKEN_IDS
-from servefleet.engine.protocol import OpenAIError, from_rejected
 
 if TYPE_CHECKING:
-    from servefleet.engine.server import ServingState
+    from servefleet.engine.serving_state import ServingState
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -29,7 +30,9 @@ async def read_body(request: Request) -> bytes:
     """The body, refused with a 413 as soon as it grows past the limit (never buffered whole)."""
     declared = request.headers.get("content-length")
     too_large = OpenAIError(
-        413, f"The request body is larger than {MAX_BODY_BYTES} bytes.", code="request_too_large"
+        status=413,
+        message=f"The request body is larger than {MAX_BODY_BYTES} bytes.",
+        code="request_too_large",
     )
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
@@ -43,7 +46,9 @@ async def read_body(request: Request) -> bytes:
             parts.append(chunk)
     except ClientDisconnect:  # gone, or cut for a body too slow (`api.http_protocol`)
         raise OpenAIError(
-            499, "the client left before its request body arrived", type="client_closed"
+            status=499,
+            message="the client left before its request body arrived",
+            type="client_closed",
         ) from None
     return b"".join(parts)
 
@@ -51,10 +56,7 @@ async def read_body(request: Request) -> bytes:
 async def parse(request: Request, model: type[BodyT]) -> BodyT:
     """JSON body whatever the Content-Type says (curl -d sends a form type)."""
     raw = await read_body(request)
-    try:
-        _, body = parse_request(model, raw)
-    except RequestRejected as exc:
-        raise from_rejected(exc) from None
+    _, body = parse_request(model, raw)
     return body
 
 
@@ -64,8 +66,8 @@ def admit(state: ServingState, model: str | None, sequences: int = 1, param: str
     whole queue (300 prompts x n=16 once queued 4,788 sequences past a depth of 256)."""
     if state.draining or not state.ready:
         raise OpenAIError(
-            503,
-            "the engine is draining" if state.draining else "the engine is still loading",
+            status=503,
+            message="the engine is draining" if state.draining else "the engine is still loading",
             type="service_unavailable",
             headers={"Retry-After": "5"},
         )
@@ -73,12 +75,14 @@ def admit(state: ServingState, model: str | None, sequences: int = 1, param: str
         raise model_not_found(model)
     ok, reason = state.engine.is_healthy()
     if not ok:
-        raise OpenAIError(503, reason, type="service_unavailable", headers={"Retry-After": "5"})
+        raise OpenAIError(
+            status=503, message=reason, type="service_unavailable", headers={"Retry-After": "5"}
+        )
     bound = max(1, state.max_queue_depth)
     if sequences > bound:
         raise OpenAIError(
-            400,
-            f"this request adds {sequences} sequences (n per prompt); the engine queues at "
+            status=400,
+            message=f"this request adds {sequences} sequences (n per prompt); the engine queues at "
             f"most {bound}: send fewer prompts or a lower n",
             param=param,
             code="too_many_sequences",
@@ -90,8 +94,8 @@ def check_room(state: ServingState, sequences: int = 1) -> None:
     """503 + Retry-After when the queue has no room for `sequences` more."""
     if state.engine.num_waiting + sequences > state.max_queue_depth:
         raise OpenAIError(
-            503,
-            f"the engine's queue is full ({state.max_queue_depth} waiting); retry later",
+            status=503,
+            message=f"the engine's queue is full ({state.max_queue_depth} waiting); retry later",
             type="service_unavailable",
             code="queue_full",
             headers={"Retry-After": str(state.retry_after())},
@@ -100,8 +104,8 @@ def check_room(state: ServingState, sequences: int = 1) -> None:
 
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(
-        404,
-        f"The model `{model}` does not exist.",
+        status=404,
+        message=f"The model `{model}` does not exist.",
         type="invalid_request_error",
         param="model",
         code="model_not_found",
@@ -119,36 +123,41 @@ def prompt_ids(
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(
-                400, f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param=param
+                status=400,
+                message=f"{param}: token ids out of range [0, {vocab}): {bad[:5]}",
+                param=param,
             )
         ids = list(prompt)
     if not ids:
-        raise OpenAIError(400, f"{param} is empty after tokenization", param=param)
+        raise OpenAIError(status=400, message=f"{param} is empty after tokenization", param=param)
     return ids
 
 
 def check_lengths(
-    state: ServingState, prompt_ids: list[int], requested: int | None, param: str
+    state: ServingState, prompt_ids: list[int], requested: int | None, param: str, *, chat: bool
 ) -> int:
-    """max_tokens for the request: what was asked, or what the context leaves."""
+    """max_tokens for one prompt: what was asked, else the endpoint's default (the one the
+    gateway reserves too: `servefleet.api.max_tokens`); refused when it cannot fit."""
     prompt_len = len(prompt_ids)
-    max_tokens = requested if requested is not None else state.max_model_len - prompt_len
+    max_tokens = completion_budget(
+        requested, chat=chat, prompt_tokens=prompt_len, context_length=state.max_model_len
+    )
     if max_tokens < 1 or prompt_len + max_tokens > state.max_model_len:
         raise OpenAIError(
-            400,
-            f"This model's maximum context length is {state.max_model_len} tokens. However, you "
-            f"requested {prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the {param}, "
-            f"{max(max_tokens, 0)} in the completion). Please reduce the length of the {param} "
-            "or completion.",
+            status=400,
+            message=f"This model's maximum context length is {state.max_model_len} tokens. "
+            f"However, you requested {prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in "
+            f"the {param}, {max(max_tokens, 0)} in the completion). Please reduce the length of "
+            f"the {param} or completion.",
             param=param,
             code="context_length_exceeded",
         )
     blocks = -(-(prompt_len + max_tokens) // state.block_size)
     if blocks > state.num_kv_blocks:
         raise OpenAIError(
-            400,
-            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {blocks} KV-cache "
-            f"blocks but the cache holds only {state.num_kv_blocks} "
+            status=400,
+            message=f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {blocks} "
+            f"KV-cache blocks but the cache holds only {state.num_kv_blocks} "
             f"({state.num_kv_blocks * state.block_size} tokens); lower max_tokens",
             param="max_tokens",
             code="kv_cache_too_small",
@@ -167,15 +176,21 @@ def resume_ids(state: ServingState, body: SamplingRequest, max_tokens: int) -> l
         return []
     param = RESUME_TOKEN_IDS
     if body.n != 1:
-        raise OpenAIError(400, f"{param} needs n=1 (one choice to continue)", param=param)
+        raise OpenAIError(
+            status=400, message=f"{param} needs n=1 (one choice to continue)", param=param
+        )
     vocab = state.tokenizer.vocab_size
     bad = [t for t in ids if t >= vocab]
     if bad:
         raise OpenAIError(
-            400, f"{param}: token ids out of range [0, {vocab}): {bad[:5]}", param=param
+            status=400,
+            message=f"{param}: token ids out of range [0, {vocab}): {bad[:5]}",
+            param=param,
         )
     if len(ids) >= max_tokens:
         raise OpenAIError(
-            400, f"{param} holds {len(ids)} tokens, max_tokens is {max_tokens}", param=param
+            status=400,
+            message=f"{param} holds {len(ids)} tokens, max_tokens is {max_tokens}",
+            param=param,
         )
     return list(ids)

@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import StreamingResponse
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest
 from servefleet.engine.loop import EngineDeadError, EngineRequest, SequenceOutput
-from servefleet.engine.protocol import OpenAIError, now, usage
+from servefleet.engine.protocol import now, usage
 from servefleet.engine.sampler import TokenLogprobs
 from servefleet.engine.structured.tool_calls import tool_plan
 from servefleet.engine.structured.tool_output import ToolCallStream, assistant_message
 from servefleet.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from servefleet.engine.server import ServingState
+    from servefleet.engine.serving_state import ServingState
 
 
 def _merge(steps: list[list[SequenceOutput]], n: int) -> list[dict[str, Any]]:
@@ -292,7 +293,7 @@ def stream_response(
                 yield chunk([], usage=usage(sum(prompt_tokens), sum(completion), sum(cached)))
             yield b"data: [DONE]\n\n"
         except EngineDeadError as exc:
-            yield _sse(OpenAIError(500, str(exc), type="internal_error").body())
+            yield _sse(OpenAIError(status=500, message=str(exc), type="internal_error").body())
         finally:
             await outputs.aclose()
 

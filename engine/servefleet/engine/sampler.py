@@ -97,12 +97,31 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 def is_plain_greedy(params: SamplingParams) -> bool:
     """Rows whose token is the raw argmax: the batch's one argmax serves them."""
-    return params.greedy and not params.needs_penalties and not params.logit_bias
+    return params.greedy and not params.changes_logits
 
 
-def target_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled row draws from: temperature, then top-k/top-p."""
-    filtered = filter_top_k_top_p(row_logits / params.temperature, params.top_k, params.top_p)
+# ---- the one logits chain: every path that samples for a request goes through these two,
+# so a new sampling parameter cannot reach plain steps and miss speculative verification
+# or the draft's proposals (as gpt-fast's `logits_to_probs` serves both).
+def request_logits(row_logits: torch.Tensor, seq: Sequence, pending: Seq[int] = ()) -> torch.Tensor:
+    """The row as the request shapes it before any choice: logit bias, then penalties over
+    its output so far and `pending` (tokens taken as already output)."""
+    params = seq.params
+    row = apply_logit_bias(row_logits, params.logit_bias)
+    if params.needs_penalties:
+        row = apply_penalties(row, [*seq.output_token_ids, *pending], params)
+    return row
+
+
+def request_probs(row_logits: torch.Tensor, seq: Sequence, pending: Seq[int] = ()) -> torch.Tensor:
+    """The distribution a sampled request draws output position len(output) + len(pending)
+    from: `request_logits`, then temperature and top-k/top-p (`target_probs`)."""
+    return target_probs(request_logits(row_logits, seq, pending), seq.params)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k/top-p, then softmax: the tail of the chain."""
+    filtered = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     return torch.softmax(filtered, -1)
 
 
@@ -117,15 +136,13 @@ def choose_token(row_logits: torch.Tensor, seq: Sequence, pending: Seq[int] = ()
 
     `pending` are tokens taken as already output (speculative verification): they count
     toward penalties and move the draw's position, exactly as if they had been appended.
+    Greedy: the argmax of `request_logits`; sampled: a draw from `request_probs`.
     """
-    params = seq.params
-    row = apply_logit_bias(row_logits, params.logit_bias)
-    if params.needs_penalties:
-        row = apply_penalties(row, [*seq.output_token_ids, *pending], params)
-    if params.greedy:
-        return int(torch.argmax(row))
+    if seq.params.greedy:
+        return int(torch.argmax(request_logits(row_logits, seq, pending)))
     position = seq.num_output_tokens + len(pending)
-    return draw_token(target_probs(row, params), counter_uniform(sampling_seed(seq), position))
+    uniform = counter_uniform(sampling_seed(seq), position)
+    return draw_token(request_probs(row_logits, seq, pending), uniform)
 
 
 def token_logprobs(

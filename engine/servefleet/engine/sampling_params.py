@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from servefleet.api.max_tokens import COMPLETIONS_DEFAULT_MAX_TOKENS
+
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    # Requests always set it (`servefleet.api.max_tokens`); this default serves sequences
+    # built inside the engine (warm-up) and tests.
+    max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -36,3 +40,9 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when `sampler.request_logits` changes the row (so a greedy row's token is
+        not the raw argmax): the one place a new logits-changing parameter is declared."""
+        return self.needs_penalties or bool(self.logit_bias)

@@ -11,20 +11,21 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.sequence import FinishReason, Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from servefleet.engine.spec.speculator import Speculator
+from servefleet.engine.spec.stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 8192
+    """The step's budgets, taken from `EngineConfig` (whose defaults are the knob table's,
+    `servefleet.api.engine_flags`) and the served context length: no defaults of its own."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 @dataclass
@@ -61,6 +62,21 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+
+class Speculator(Protocol):
+    """What the scheduler asks of speculative decoding (`spec.speculator.Speculator`, which
+    builds on this module's types, so it is named here by its shape, not imported)."""
+
+    def attach_drafts(
+        self, out: SchedulerOutput, kv_cache: KVCacheManager, limits: SchedulerConfig
+    ) -> None: ...
+
+    def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None: ...
+
+    def forget(self, seq: Sequence) -> None: ...
+
+    def take_stats(self) -> SpecDecodeStats: ...
 
 
 class Scheduler:

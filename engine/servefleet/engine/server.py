@@ -12,10 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,11 +20,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from servefleet.api.openai_wire import HeaderLimit
 from servefleet.engine.api_key import ApiKeyMiddleware
 from servefleet.engine.extra_routes import add_extra_routes, model_card
-from servefleet.engine.loop import Engine, EngineDeadError, EngineRequest, SequenceOutput
+from servefleet.engine.loop import EngineDeadError, EngineRequest, SequenceOutput
 from servefleet.engine.preparation import (
     Prepared,
     check_chat,
@@ -35,75 +33,12 @@ from servefleet.engine.preparation import (
     prepare_chat,
     prepare_completion,
 )
-from servefleet.engine.prepare_pool import Preparer
-from servefleet.engine.protocol import OpenAIError, new_id, priority_value, sampling_params
+from servefleet.engine.protocol import new_id, priority_value, sampling_params
 from servefleet.engine.request_checks import admit, check_room, parse, resume_ids
 from servefleet.engine.responses import chat_response, completion_response, stream_response
-from servefleet.engine.structured.service import StructuredOutputs
-from servefleet.text.chat_template import ChatTemplate, ChatTemplateError
-from servefleet.text.tokenizer import Tokenizer
+from servefleet.engine.serving_state import ServingState
 
 log = logging.getLogger("servefleet.engine.server")
-
-
-@dataclass
-class ServingState:
-    """What the routes need; owned by the process that runs the server."""
-
-    engine: Engine
-    tokenizer: Tokenizer
-    chat_template: ChatTemplate
-    served_model_name: str
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    max_queue_depth: int
-    ready: bool = False
-    draining: bool = False
-    started_at: float = field(default_factory=time.time)
-    api_key: str | None = field(default=None, repr=False)  # --api-key: all but probes need it
-    tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
-    prepare_timeout_s: float = 10.0  # --prepare-timeout: one request's preparation budget
-
-    def __post_init__(self) -> None:
-        self.structured = StructuredOutputs(
-            self.tokenizer, self.chat_template, self.tool_call_parser
-        )
-        self.preparer = Preparer(self.prepare_timeout_s)
-
-    def render_prompt(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> str:
-        """The chat template's prompt; a template that fails (its `raise_exception`, a jinja
-        error) fails on what the client sent, so it is a 400 on `messages`."""
-        try:
-            return self.chat_template.render(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
-            )
-        except Exception as exc:
-            message = str(exc) if isinstance(exc, ChatTemplateError) else f"chat template: {exc}"
-            raise OpenAIError(400, message, param="messages") from exc
-
-    def retry_after(self) -> int:
-        """Seconds until the queue ahead has likely drained, from measured step times."""
-        waiting = self.engine.num_waiting
-        hist = self.engine.metrics.e2e
-        count = _hist_value(hist, "_count")
-        mean = _hist_value(hist, "_sum") / count if count else 5.0
-        slots = max(1, len(self.engine.scheduler.running))
-        return max(1, math.ceil(mean * (waiting + 1) / slots))
-
-
-def _hist_value(hist: Any, suffix: str) -> float:
-    for metric in hist.collect():
-        for sample in metric.samples:
-            if sample.name.endswith(suffix):
-                return float(sample.value)
-    return 0.0
 
 
 def _error_response(err: OpenAIError) -> JSONResponse:
@@ -138,7 +73,7 @@ def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         state.engine.metrics.rejected(400)
-        return _error_response(OpenAIError(400, message, param=param))
+        return _error_response(OpenAIError(status=400, message=message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -148,11 +83,15 @@ def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
             allow = (exc.headers or {}).get("Allow", "")
             message = f"{request.method} is not allowed on {request.url.path}; use {allow}"
             return _error_response(
-                OpenAIError(405, message, code="method_not_allowed", headers={"Allow": allow})
+                OpenAIError(
+                    status=405, message=message, code="method_not_allowed", headers={"Allow": allow}
+                )
             )
         code = "not_found" if exc.status_code == 404 else None
         return _error_response(
-            OpenAIError(exc.status_code, str(exc.detail), type="not_found", code=code)
+            OpenAIError(
+                status=exc.status_code, message=str(exc.detail), type="not_found", code=code
+            )
         )
 
     @app.exception_handler(Exception)
@@ -161,8 +100,8 @@ def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
         log.error("internal_error %s %s: %r", request.method, request.url.path, exc)
         return _error_response(
             OpenAIError(
-                500,
-                "Internal error in the engine (logged there).",
+                status=500,
+                message="Internal error in the engine (logged there).",
                 type="server_error",
                 code="internal_error",
             )
@@ -307,9 +246,9 @@ async def _collect(
         # result before that raised InvalidStateError, a traceback per disconnect).
         with contextlib.suppress(asyncio.CancelledError):
             await consumer
-        raise OpenAIError(499, "client disconnected", type="client_closed")
+        raise OpenAIError(status=499, message="client disconnected", type="client_closed")
     try:
         consumer.result()
     except EngineDeadError as exc:
-        raise OpenAIError(500, str(exc), type="internal_error") from exc
+        raise OpenAIError(status=500, message=str(exc), type="internal_error") from exc
     return steps

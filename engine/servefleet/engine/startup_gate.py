@@ -12,7 +12,8 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from servefleet.api.openai_wire import error_body, send_json
+from servefleet.api.openai_errors import error_body
+from servefleet.api.openai_wire import send_json
 
 RETRY_AFTER_S = 5
 
@@ -22,7 +23,9 @@ def _body(path: str) -> bytes:
         return json.dumps({"status": "loading", "detail": "loading"}).encode()
     if path == "/ready":
         return json.dumps({"ready": False, "detail": "loading"}).encode()
-    return json.dumps(error_body("the engine is still loading", "service_unavailable")).encode()
+    return json.dumps(
+        error_body(message="the engine is still loading", type="service_unavailable")
+    ).encode()
 
 
 class StartupGate:

@@ -11,21 +11,16 @@ request, so a crash loses at most the request in progress.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TextIO
 
-from servefleet.api.access_log import AccessLogLine, Outcome
-from servefleet.gateway.asgi import Send, StatusRecorder
+from servefleet.api.access_log import AccessLogLine
+from servefleet.api.outcomes import Outcome
 from servefleet.gateway.call import Call
-from servefleet.gateway.errors import GatewayError
-from servefleet.gateway.pool import Lease, Shed, Spill
+from servefleet.gateway.pool_types import Lease, Shed, Spill
 from servefleet.gateway.queueing import TrafficClass
-
-CLIENT_CLOSED = 499
-"""Status logged for a request whose client left before any answer (nginx's convention)."""
 
 
 class AccessLog:
@@ -51,23 +46,7 @@ class AccessLog:
             return cls(sys.stdout, clock=clock)
         return cls(open(target, "a", encoding="utf-8"), clock=clock, owns_stream=True)
 
-    @contextlib.contextmanager
-    def request(self, call: Call, send: Send) -> Iterator[Send]:
-        """Yields the `send` to answer with; writes the call's line when the block is left."""
-        recorder = StatusRecorder(send)
-        status: int | None = None
-        try:
-            yield recorder.send
-        except GatewayError as exc:  # answered by the app, after this block
-            status = exc.status
-            raise
-        except BaseException:
-            status = CLIENT_CLOSED
-            raise
-        finally:
-            self.write(self.line(call, recorder.status or status or CLIENT_CLOSED))
-
-    def line(self, call: Call, status: int) -> AccessLogLine:
+    def line(self, call: Call, status: int, outcome: Outcome) -> AccessLogLine:
         now = self._clock()
         placement = call.placement
         used = call.used
@@ -79,7 +58,7 @@ class AccessLog:
             traffic_class="batch"
             if call.route.traffic_class is TrafficClass.BATCH
             else "interactive",
-            outcome=outcome(call, status),
+            outcome=outcome,
             prompt_tokens=used.prompt_tokens if used is not None else call.prompt_tokens,
             completion_tokens=used.completion_tokens if used is not None else 0,
             queue_wait_s=placement.queue_wait_s if isinstance(placement, Lease) else 0.0,
@@ -97,21 +76,3 @@ class AccessLog:
     def close(self) -> None:
         if self._owns_stream:
             self._stream.close()
-
-
-def outcome(call: Call, status: int) -> Outcome:
-    """What became of the request, in the simulator's terms."""
-    if status == 429:
-        return "limited"
-    if isinstance(call.placement, Shed):
-        return "shed"
-    if not call.completed:
-        return "failed"
-    return "spilled" if isinstance(call.placement, Spill) else "served"
-
-
-def recording(
-    log: AccessLog | None, call: Call, send: Send
-) -> contextlib.AbstractContextManager[Send]:
-    """`log.request(call, send)`, or `send` unchanged when there is no access log."""
-    return contextlib.nullcontext(send) if log is None else log.request(call, send)

@@ -4,20 +4,16 @@ The gateway predicts how long a request would wait — the work queued ahead of 
 divided by the pool's measured service rate, plus, when no replica is ready, the time until one
 will be (from the measured cold start) — and decides once: serve now, queue, spill over to the
 hosted API, or shed with a `Retry-After` equal to that prediction. A request is never queued to
-be answered after the deployment's maximum wait.
+be answered after the deployment's maximum wait. The decision is the outcome the request is
+placed for (`servefleet.api.outcomes`): `OK` (a replica: now when the predicted wait is 0, else
+after queueing), `SPILLED` or `SHED`.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-
-class Action(enum.Enum):
-    SERVE = "serve"
-    QUEUE = "queue"
-    SPILL = "spill"
-    SHED = "shed"
+from servefleet.api.outcomes import Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +40,15 @@ class SpillRule:
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionOutcome:
-    action: Action
+class Admission:
+    placed: Outcome  # one of `outcomes.PLACEMENTS`
     predicted_wait_s: float
     reason: str
+
+    @property
+    def now(self) -> bool:
+        """Served at once: a slot is free (else it queues for one, or is spilled or shed)."""
+        return self.placed is Outcome.OK and self.predicted_wait_s == 0.0
 
 
 def predict_wait(view: PoolView) -> float:
@@ -63,20 +64,20 @@ def predict_wait(view: PoolView) -> float:
     return until_ready + view.queue_ahead / rate
 
 
-def decide(view: PoolView, max_queue_wait_s: float, spill: SpillRule) -> AdmissionOutcome:
+def decide(view: PoolView, max_queue_wait_s: float, spill: SpillRule) -> Admission:
     wait = predict_wait(view)
     if wait == 0.0:
-        return AdmissionOutcome(Action.SERVE, 0.0, "slot free")
+        return Admission(Outcome.OK, 0.0, "slot free")
     no_replica = view.ready_replicas == 0
     if spill.allowed:
         if spill.on_no_ready_replica and no_replica:
-            return AdmissionOutcome(Action.SPILL, wait, "no ready replica")
+            return Admission(Outcome.SPILLED, wait, "no ready replica")
         if spill.on_queue_full and view.queue_full:
-            return AdmissionOutcome(Action.SPILL, wait, "queue full")
+            return Admission(Outcome.SPILLED, wait, "queue full")
         if spill.wait_over_s is not None and wait > spill.wait_over_s:
-            return AdmissionOutcome(Action.SPILL, wait, "predicted wait over spill threshold")
+            return Admission(Outcome.SPILLED, wait, "predicted wait over spill threshold")
     if view.queue_full:
-        return AdmissionOutcome(Action.SHED, wait, "queue full")
+        return Admission(Outcome.SHED, wait, "queue full")
     if wait > max_queue_wait_s:
-        return AdmissionOutcome(Action.SHED, wait, "predicted wait over maxQueueWait")
-    return AdmissionOutcome(Action.QUEUE, wait, "waiting for a slot")
+        return Admission(Outcome.SHED, wait, "predicted wait over maxQueueWait")
+    return Admission(Outcome.OK, wait, "waiting for a slot")

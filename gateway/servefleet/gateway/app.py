@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_stats import DeploymentStats
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_version import version_body
 from servefleet.api.openai_wire import headers_too_large, send_header_error
 from servefleet.api.openapi_doc import OPENAPI_PATH, openapi_document
@@ -25,7 +26,7 @@ from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.completion import CompletionHandler
 from servefleet.gateway.endpoints import ENDPOINTS, model_card_body, tenant_document
-from servefleet.gateway.errors import GatewayError, method_not_allowed
+from servefleet.gateway.errors import method_not_allowed
 from servefleet.gateway.forward import Forwarder
 from servefleet.gateway.internal_api import InternalApp
 from servefleet.gateway.limits import Limiter
@@ -46,8 +47,11 @@ from servefleet.gateway.upstream import UpstreamPool
 from servefleet.kube import KubeAccess
 
 log = logging.getLogger("servefleet.gateway.app")
-INTERNAL_ERROR = GatewayError(
-    500, "Internal error in the gateway (logged there).", type="server_error", code="internal_error"
+INTERNAL_ERROR = OpenAIError(
+    status=500,
+    message="Internal error in the gateway (logged there).",
+    type="server_error",
+    code="internal_error",
 )
 
 # The tenant port's paths (/metrics is the internal port's); forwarded paths and models need a key.
@@ -218,13 +222,13 @@ class Gateway:
         the server's plain-text page); a bug after the answer started ends the connection."""
         try:
             await self._http(scope, receive, send)
-        except GatewayError as exc:
+        except OpenAIError as exc:
             headers = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
-            await respond(send, exc.status, exc.body(), headers=headers)
+            await respond(send, exc.status, exc.body_bytes(), headers=headers)
         except Exception as exc:
             log.exception("internal_error %s %s", scope["method"], scope["path"])
             try:
-                await respond(send, 500, INTERNAL_ERROR.body())
+                await respond(send, 500, INTERNAL_ERROR.body_bytes())
             except Exception:  # the answer had started: a second start is refused
                 raise exc from None
 
@@ -272,4 +276,6 @@ class Gateway:
         elif path in _GET_PATHS or path.startswith("/v1/models/"):
             raise method_not_allowed(method, path, "GET")
         else:
-            raise GatewayError(404, f"Unknown path {method} {path}", code="unknown_url")
+            raise OpenAIError(
+                status=404, message=f"Unknown path {method} {path}", code="unknown_url"
+            )

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_wire import MAX_BODY_BYTES
-from servefleet.gateway.errors import GatewayError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -40,7 +40,9 @@ async def read_body(receive: Receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise GatewayError(413, "The request body is too large.", code="request_too_large")
+            raise OpenAIError(
+                status=413, message="The request body is too large.", code="request_too_large"
+            )
         parts.append(chunk)
     return b"".join(parts)
 

@@ -6,7 +6,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 
-from servefleet.gateway.errors import GatewayError
+from servefleet.api.openai_errors import OpenAIError
 
 
 class KeyRing:
@@ -30,9 +30,9 @@ class KeyRing:
         """The tenant, or the 401 OpenAI answers to a bad key."""
         tenant = self.tenant_for(authorization)
         if tenant is None:
-            raise GatewayError(
-                401,
-                "Incorrect API key provided.",
+            raise OpenAIError(
+                status=401,
+                message="Incorrect API key provided.",
                 code="invalid_api_key",
                 type="invalid_request_error",
             )

@@ -1,8 +1,9 @@
 """One completion request on its way through the gateway, from parse to settle.
 
 The handler fills in what the request asks for and where the pool placed it; forwarding and
-relay fill in what it got (replica, usage, events, first byte, completion), which is what its
-reservation is settled with and what its access-log line says.
+relay fill in what it got (replica, usage, events, first byte, completion, a client that
+left), which is what its reservation is settled with and what its outcome is decided from
+(`call_outcome`: the metrics' and the access log's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from servefleet.gateway.asgi import Headers
 from servefleet.gateway.proxy import Usage
 
 if TYPE_CHECKING:
-    from servefleet.gateway.pool import Lease, Shed, Spill
+    from servefleet.gateway.pool_types import Placement
     from servefleet.gateway.route_table import TenantRoute
     from servefleet.gateway.stream_splice import StreamSplice
 
@@ -35,10 +36,11 @@ class Call:
     used: Usage | None = None
     events: int = 0
     first_byte: bool = False
-    placement: Lease | Spill | Shed | None = None  # what pool.acquire answered
+    placement: Placement | None = None  # what pool.acquire answered (or a Shed in its place)
     replica: str | None = None  # the endpoint that answered (after a retry, the second)
     ttft_s: float | None = None
     completed: bool = False  # the whole answer reached the client
+    client_left: bool = False  # the client went away mid-answer
     splice: StreamSplice | None = None  # a stream that may be continued on another replica
     request_id: str = ""  # the gateway's id, sent upstream and named in its log lines
     timed_out: bool = False  # the last replica's answer stopped for `upstream_timeout_seconds`

@@ -5,7 +5,8 @@ Auth (key → tenant) → parse and validate (the engine's own request models) �
 tokens → reserve them against the tenant's limits (429 with `x-ratelimit-*` when over) →
 `pool.acquire` → forward what it answered (a lease on a replica, the hosted API, or a 503) →
 settle the reservation with what was used. Each step's decision is made by its own module;
-this handler only calls them in turn.
+this handler only calls them in turn, and `call_outcome` counts and logs what became of the
+request when it ends.
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 
-from servefleet.gateway.access_log import AccessLog, recording
+from servefleet.api.openai_errors import OpenAIError, error_bytes
+from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
 from servefleet.gateway.call import Call
+from servefleet.gateway.call_outcome import recorded
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
 from servefleet.gateway.endpoints import (
     ENDPOINTS,
     Endpoint,
     count_prompt,
     parse,
+    reserved_tokens,
     route_for,
     shape_of,
 )
-from servefleet.gateway.errors import GatewayError, error_body
 from servefleet.gateway.forward import Forwarder
 from servefleet.gateway.limit_headers import ratelimit_headers, retry_headers
 from servefleet.gateway.limits import Limiter, RequestTooLarge, Reservation
@@ -61,7 +64,6 @@ class CompletionHandler:
         route = route_for(table, tenant, request)
         prompt_tokens, affinity_key = await count_prompt(route, request, parsed)
         shape = shape_of(request)
-        completion = shape.max_completion_tokens or route.pool.config.default_max_tokens
         call = Call(
             route,
             scope["path"],
@@ -70,24 +72,23 @@ class CompletionHandler:
             shape.stream,
             shape.wants_usage,
             prompt_tokens,
-            # Every choice of every prompt may run to its max_tokens.
-            prompt_tokens + (completion * shape.choices if shape.generates else 0),
+            reserved_tokens(route, shape, prompt_tokens),
             affinity_key,
             started,
             [],
             request_id=request_id,
         )
-        with recording(self._access_log, call, send) as send:
-            reservation: Reservation | None = None
-            if route.scopes:
-                admitted, reservation = await self._reserve(call, send)
-                if not admitted:
-                    return
-            try:
+        reservation: Reservation | None = None
+        try:
+            with recorded(call, send, self._access_log) as send:
+                if route.scopes:
+                    admitted, reservation = await self._reserve(call, send)
+                    if not admitted:
+                        return
                 await self._serve(call, send, receive)
-            finally:
-                if reservation is not None:
-                    await self._limiter.settle(reservation, call.used_tokens(reservation.tokens))
+        finally:  # after the outcome is counted: settling may wait for Redis
+            if reservation is not None:
+                await self._limiter.settle(reservation, call.used_tokens(reservation.tokens))
 
     async def _reserve(self, call: Call, send: Send) -> tuple[bool, Reservation | None]:
         """Reserve the call's tokens and a request; False when a 429 was sent instead."""
@@ -95,10 +96,9 @@ class CompletionHandler:
         try:
             decision = await self._limiter.reserve(route.scopes, call.tokens)
         except RequestTooLarge as exc:
-            route.metrics.outcome["4xx"].inc()
-            raise GatewayError(
-                400,
-                str(exc),
+            raise OpenAIError(
+                status=400,
+                message=str(exc),
                 code="request_too_large",
                 param="max_tokens",
                 headers={"x-should-retry": "false"},
@@ -106,16 +106,15 @@ class CompletionHandler:
         call.rl_headers = ratelimit_headers(decision.snapshot)
         if decision.admitted:
             return True, decision.reservation
-        route.metrics.outcome["429"].inc()
         kind = "requests" if decision.exceeded == "requests_per_minute" else "tokens"
         await respond(
             send,
             429,
-            error_body(
-                f"Rate limit reached for tenant {route.tenant} on {decision.exceeded}; "
+            error_bytes(
+                message=f"Rate limit reached for tenant {route.tenant} on {decision.exceeded}; "
                 f"try again in {decision.retry_after_s:.1f}s.",
-                kind,
-                "rate_limit_exceeded",
+                type=kind,
+                code="rate_limit_exceeded",
             ),
             headers=call.rl_headers + retry_headers(decision.retry_after_s),
         )
@@ -141,13 +140,12 @@ class CompletionHandler:
             route.metrics.queue_wait.observe(placed.queue_wait_s)
             await self._forwarder.to_pool(call, placed, send, receive)
         elif isinstance(placed, Spill) and not ENDPOINTS[call.path].spillable:
-            route.metrics.outcome["503"].inc()
-            await _shed(call, Shed(pool.cold_start.value, placed.reason), send)
+            shed = call.placement = Shed(pool.cold_start.value, placed.reason)
+            await _shed(call, shed, send)
         elif isinstance(placed, Spill):
             self._metrics.spillovers.labels(pool.model, placed.reason).inc()
             await self._forwarder.to_spill(call, send, receive)
         else:
-            route.metrics.outcome["503"].inc()
             await _shed(call, placed, send)
 
 
@@ -155,11 +153,11 @@ async def _shed(call: Call, shed: Shed, send: Send) -> None:
     await respond(
         send,
         503,
-        error_body(
-            f"The model `{call.route.pool.model}` is overloaded ({shed.reason}); "
+        error_bytes(
+            message=f"The model `{call.route.pool.model}` is overloaded ({shed.reason}); "
             f"retry in {shed.retry_after_s:.1f}s.",
-            "server_overloaded",
-            "overloaded",
+            type="server_overloaded",
+            code="overloaded",
         ),
         headers=call.rl_headers + retry_headers(shed.retry_after_s),
     )

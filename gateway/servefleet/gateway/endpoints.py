@@ -16,16 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from servefleet.api.max_tokens import completion_budget
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     SamplingRequest,
 )
-from servefleet.api.openai_wire import RequestRejected, parse_request
+from servefleet.api.openai_wire import parse_request
 from servefleet.api.openapi_doc import OPERATIONS
 from servefleet.api.stream_resume import INTERNAL_FIELDS, internal_fields_in
-from servefleet.gateway.errors import GatewayError, model_not_found
+from servefleet.gateway.errors import model_not_found
 from servefleet.gateway.prompt import PromptShape
 from servefleet.gateway.route_table import RouteTable, TenantRoute
 
@@ -72,10 +74,11 @@ class RequestShape:
 
     stream: bool = False
     wants_usage: bool = False
-    max_completion_tokens: int | None = None  # per choice; None: the deployment's default
+    max_completion_tokens: int | None = None  # per choice; None: the endpoint's default
     generates: bool = False  # completion tokens are reserved
     n: int = 1
     prompts: int = 1  # a completions request may send several, each answered n times
+    chat: bool = False  # a chat's default max_tokens is the rest of the context
 
     @property
     def choices(self) -> int:
@@ -84,20 +87,17 @@ class RequestShape:
 
 
 def parse(raw: bytes, endpoint: Endpoint) -> tuple[dict[str, Any], BaseModel]:
-    try:
-        parsed, request = parse_request(endpoint.request_model, raw)
-    except RequestRejected as exc:
-        raise GatewayError(exc.status, exc.message, code=exc.code, param=exc.param) from None
+    parsed, request = parse_request(endpoint.request_model, raw)
     internal = internal_fields_in(parsed)  # the gateway's own to send, never a tenant's
     if internal:
-        raise GatewayError(
-            400, f"{internal[0]} is not supported by this server.", param=internal[0]
+        raise OpenAIError(
+            status=400, message=f"{internal[0]} is not supported by this server.", param=internal[0]
         )
     for name in GATEWAY_FIELDS:
         if name in parsed:
-            raise GatewayError(
-                400,
-                f"{name} is set by the gateway from your traffic class; do not send it.",
+            raise OpenAIError(
+                status=400,
+                message=f"{name} is set by the gateway from your traffic class; do not send it.",
                 param=name,
             )
     return parsed, request
@@ -126,9 +126,29 @@ def shape_of(request: BaseModel) -> RequestShape:
         asked = request.max_tokens
     else:
         return RequestShape()
+    chat = isinstance(request, ChatCompletionRequest)
     return RequestShape(
-        request.stream, request.wants_usage_in_stream, asked, True, request.n, prompts
+        request.stream, request.wants_usage_in_stream, asked, True, request.n, prompts, chat
     )
+
+
+def reserved_tokens(route: TenantRoute, shape: RequestShape, prompt_tokens: int) -> int:
+    """The prompt plus what every choice of every prompt may generate: what the engine will
+    allow (`servefleet.api.max_tokens`). A chat without max_tokens may run to the end of the
+    context; where the gateway does not know the context (no tokenizer, no maxModelLen), it
+    reserves the deployment's `default_max_tokens` per choice instead."""
+    if not shape.generates:
+        return prompt_tokens
+    config, counter = route.pool.config, route.pool.token_counter
+    context = config.max_model_len or (counter.context_length if counter else None)
+    asked = shape.max_completion_tokens
+    if shape.chat and asked is None and context is None:
+        per_choice = config.default_max_tokens
+    else:  # a chat's prompt is one; a completion's default does not depend on its prompts
+        per_choice = completion_budget(
+            asked, chat=shape.chat, prompt_tokens=prompt_tokens, context_length=context or 0
+        )
+    return prompt_tokens + per_choice * shape.choices
 
 
 def route_for(table: RouteTable, tenant: str, request: BaseModel) -> TenantRoute:
@@ -138,7 +158,9 @@ def route_for(table: RouteTable, tenant: str, request: BaseModel) -> TenantRoute
     if model is None:
         mine = [route for (owner, _), route in table.routes.items() if owner == tenant]
         if len(mine) != 1:
-            raise GatewayError(400, "model is required: you have access to several", param="model")
+            raise OpenAIError(
+                status=400, message="model is required: you have access to several", param="model"
+            )
         return mine[0]
     route = table.routes.get((tenant, model))
     if route is None:
@@ -181,9 +203,9 @@ def _check_context(
         return
     least = counter.at_least(shape.chars)
     if least > context:
-        raise GatewayError(
-            400,
-            f"This model's maximum context length is {context} tokens; your {param} has at "
+        raise OpenAIError(
+            status=400,
+            message=f"This model's maximum context length is {context} tokens; your {param} has at "
             f"least {least} tokens (from its length alone).",
             code="context_length_exceeded",
             param=param,

@@ -15,15 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from servefleet.api.gateway_config import GatewayDeployment
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.gateway.asgi import JSON, Receive, Send
 from servefleet.gateway.call import Call
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
-from servefleet.gateway.errors import GatewayError
 from servefleet.gateway.limit_headers import retry_after
 from servefleet.gateway.metrics import GatewayMetrics
 from servefleet.gateway.poison import PoisonedRequest, is_poisoned, poisoned_error
 from servefleet.gateway.pool import DeploymentPool, Lease
-from servefleet.gateway.pool_resume import others_ready, reroute_waiting
 from servefleet.gateway.proxy import prepare_body
 from servefleet.gateway.queueing import TrafficClass
 from servefleet.gateway.relay import Relay
@@ -75,7 +74,7 @@ class Forwarder:
         self._relay = relay
 
     async def to_pool(self, call: Call, lease: Lease, send: Send, receive: Receive) -> None:
-        """Relay the replica's answer; raises GatewayError when no replica could answer."""
+        """Relay the replica's answer; raises OpenAIError when no replica could answer."""
         pool = call.route.pool
         first, body = self._pool_body(call)
         retried = False
@@ -91,7 +90,6 @@ class Forwarder:
                 break
             if isinstance(failure, PoisonedRequest):  # the replica is fine: no one else gets it
                 pool.release(lease, ok=False)
-                call.route.metrics.outcome["upstream_error"].inc()
                 failure.headers.update({k.decode(): v.decode() for k, v in call.rl_headers})
                 raise failure
             if failure.status != 503:
@@ -107,12 +105,9 @@ class Forwarder:
                 pool.release(lease, ok=False)
                 return
             if moved is None:
-                if not retried and others_ready(pool, lease.replica):
+                if not retried and pool.replicas.others_ready(lease.replica):
                     failure = _all_busy(pool)  # waited out: a refusal, not a failure
                 pool.release(lease, ok=False)
-                call.route.metrics.outcome[
-                    "503" if failure.status == 503 else "upstream_error"
-                ].inc()
                 failure.headers.update({k.decode(): v.decode() for k, v in call.rl_headers})
                 raise failure
             retried = True
@@ -135,7 +130,7 @@ class Forwarder:
 
     async def _try(
         self, call: Call, lease: Lease, body: bytes
-    ) -> tuple[UpstreamResponse | None, GatewayError | None]:
+    ) -> tuple[UpstreamResponse | None, OpenAIError | None]:
         """`_attempt` on the leased replica; a timeout on a replica that still answers its
         probe is the request's fault (`poison`), not the replica's."""
         replica = lease.replica
@@ -148,7 +143,7 @@ class Forwarder:
     async def _move(pool: DeploymentPool, lease: Lease) -> Lease | None:
         """Another replica for a request whose replica failed before a byte: a free slot, else
         the next one the busy replicas free, within maxQueueWait (a queued request's bound)."""
-        return await reroute_waiting(pool, lease, pool.config.admission.max_queue_wait)
+        return await pool.reroute_waiting(lease, pool.config.admission.max_queue_wait)
 
     @staticmethod
     def _pool_body(call: Call) -> tuple[dict[str, Any] | None, bytes]:
@@ -180,7 +175,7 @@ class Forwarder:
             return None
         pool.eject(leases[-1].replica)
         self._metrics.ejections.labels(pool.model).inc()
-        moved = await reroute_waiting(pool, leases[-1], pool.config.upstream_timeout_seconds)
+        moved = await pool.reroute_waiting(leases[-1], pool.config.upstream_timeout_seconds)
         if moved is None:
             return None
         leases.append(moved)
@@ -204,7 +199,7 @@ class Forwarder:
             # Every other replica busy: wait for a slot rather than cut the client's answer, as
             # long as a replica may stay silent mid-stream.
             wait_s = pool.config.upstream_timeout_seconds
-            moved = await reroute_waiting(pool, leases[-1], wait_s)
+            moved = await pool.reroute_waiting(leases[-1], wait_s)
             if moved is None:
                 return None
             leases.append(moved)
@@ -223,7 +218,7 @@ class Forwarder:
 
     async def _attempt(
         self, pool: DeploymentPool, replica: Replica, call: Call, body: bytes
-    ) -> tuple[UpstreamResponse | None, GatewayError | None]:
+    ) -> tuple[UpstreamResponse | None, OpenAIError | None]:
         """The replica's response, or why it gave none (a 5xx response is closed here)."""
         config = pool.config
         call.timed_out = False
@@ -238,13 +233,16 @@ class Forwarder:
             )
         except UpstreamTimeout:
             call.timed_out = True
-            return None, GatewayError(
-                504, "The model replica timed out.", type="upstream_error", code="timeout"
+            return None, OpenAIError(
+                status=504,
+                message="The model replica timed out.",
+                type="upstream_error",
+                code="timeout",
             )
         except UpstreamError as exc:
-            return None, GatewayError(
-                502,
-                f"The model replica could not be reached ({exc}).",
+            return None, OpenAIError(
+                status=502,
+                message=f"The model replica could not be reached ({exc}).",
                 type="upstream_error",
                 code="upstream_unreachable",
             )
@@ -253,16 +251,16 @@ class Forwarder:
         response.close()
         if response.status == 503:
             pool.mark_draining(replica)
-            return None, GatewayError(
-                503,
-                "The model replica is draining.",
+            return None, OpenAIError(
+                status=503,
+                message="The model replica is draining.",
                 type="server_overloaded",
                 code="overloaded",
                 headers={"retry-after": retry_after(pool.cold_start.value)},
             )
-        return None, GatewayError(
-            502,
-            f"The model replica failed with status {response.status}.",
+        return None, OpenAIError(
+            status=502,
+            message=f"The model replica failed with status {response.status}.",
             type="upstream_error",
             code="upstream_error",
         )
@@ -290,33 +288,32 @@ class Forwarder:
                 read_timeout=target.timeout_s,
             )
         except UpstreamError as exc:
-            call.route.metrics.outcome["upstream_error"].inc()
             raise _spill_error(exc, rl) from None
         await self._relay.relay(call, response, send, receive, spill=True)
 
 
-def _all_busy(pool: DeploymentPool) -> GatewayError:
-    return GatewayError(
-        503,
-        "The model replica failed and every other one stayed busy.",
+def _all_busy(pool: DeploymentPool) -> OpenAIError:
+    return OpenAIError(
+        status=503,
+        message="The model replica failed and every other one stayed busy.",
         type="server_overloaded",
         code="overloaded",
         headers={"retry-after": retry_after(pool.service_time.value)},
     )
 
 
-def _spill_error(exc: UpstreamError, headers: dict[str, str]) -> GatewayError:
+def _spill_error(exc: UpstreamError, headers: dict[str, str]) -> OpenAIError:
     if isinstance(exc, UpstreamTimeout):
-        return GatewayError(
-            504,
-            "The spill-over API timed out.",
+        return OpenAIError(
+            status=504,
+            message="The spill-over API timed out.",
             type="upstream_error",
             code="timeout",
             headers=headers,
         )
-    return GatewayError(
-        502,
-        f"The spill-over API could not be reached ({exc}).",
+    return OpenAIError(
+        status=502,
+        message=f"The spill-over API could not be reached ({exc}).",
         type="upstream_error",
         code="upstream_unreachable",
         headers=headers,

@@ -16,10 +16,11 @@ from pydantic import BaseModel, Field, ValidationError
 
 from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.gateway_stats import dump_deployment_stats
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.replica_endpoints import ReplicaTargets
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
 from servefleet.gateway.auth import bearer_matches
-from servefleet.gateway.errors import GatewayError, method_not_allowed, validation_error
+from servefleet.gateway.errors import method_not_allowed, validation_error
 from servefleet.gateway.route_table import RouteTable
 
 DEPLOYMENTS_PATH = "/internal/deployments"
@@ -53,14 +54,16 @@ def allowed_methods(path: str) -> str | None:
 
 def require_internal_key(scope: Scope, internal_key: str | None) -> None:
     if internal_key is None:
-        raise GatewayError(
-            401,
-            "No internal API key is configured; this port serves only /health.",
+        raise OpenAIError(
+            status=401,
+            message="No internal API key is configured; this port serves only /health.",
             code="invalid_api_key",
         )
     if not bearer_matches(header(scope, b"authorization"), internal_key):
-        raise GatewayError(
-            401, "This internal endpoint needs the internal API key.", code="invalid_api_key"
+        raise OpenAIError(
+            status=401,
+            message="This internal endpoint needs the internal API key.",
+            code="invalid_api_key",
         )
 
 
@@ -69,7 +72,7 @@ def check_endpoint(deployment: GatewayDeployment, endpoint: str, param: str) -> 
     targets = ReplicaTargets.of(deployment.endpoints, deployment.allowed_replica_networks)
     problem = targets.problem(endpoint)
     if problem is not None:
-        raise GatewayError(400, f"Endpoint {endpoint!r} {problem}.", param=param)
+        raise OpenAIError(status=400, message=f"Endpoint {endpoint!r} {problem}.", param=param)
 
 
 async def send_deployment_stats(table: RouteTable, send: Send) -> None:
@@ -82,10 +85,12 @@ async def update_replicas(table: RouteTable, scope: Scope, receive: Receive, sen
     name = path[len(DEPLOYMENTS_PATH + "/") : -len("/replicas")]
     pool = table.pools.get(name)
     if pool is None:
-        raise GatewayError(404, f"Unknown deployment {name!r}", code="not_found")
+        raise OpenAIError(status=404, message=f"Unknown deployment {name!r}", code="not_found")
     if pool.config.service is not None:
-        raise GatewayError(
-            409, f"Deployment {name!r} discovers its replicas from Kubernetes", code="conflict"
+        raise OpenAIError(
+            status=409,
+            message=f"Deployment {name!r} discovers its replicas from Kubernetes",
+            code="conflict",
         )
     raw = await read_body(receive)
     try:
@@ -116,9 +121,9 @@ class InternalApp:
             return  # lifespan belongs to the tenant app, which owns start and stop
         try:
             await self._http(scope, receive, send)
-        except GatewayError as exc:
+        except OpenAIError as exc:
             headers = [(k.encode(), v.encode()) for k, v in exc.headers.items()]
-            await respond(send, exc.status, exc.body(), headers=headers)
+            await respond(send, exc.status, exc.body_bytes(), headers=headers)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method: str = scope["method"]
@@ -129,7 +134,9 @@ class InternalApp:
         require_internal_key(scope, self._internal_key)  # before anything says what exists
         allowed = allowed_methods(path)
         if allowed is None:
-            raise GatewayError(404, f"Unknown path {method} {path}", code="unknown_url")
+            raise OpenAIError(
+                status=404, message=f"Unknown path {method} {path}", code="unknown_url"
+            )
         if method not in allowed.split(", "):
             raise method_not_allowed(method, path, allowed)
         if path == METRICS_PATH:

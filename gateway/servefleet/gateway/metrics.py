@@ -5,7 +5,8 @@ label resolution per metric. Tenant series are capped: the first `tenant_series_
 seen keep their own label value and every later one is summed in `tenant="_other"` (no tenant
 name can contain "_"), so thousands of tenants cost Prometheus a bounded number of series; the
 access log still names every tenant. Pool gauges carry `deployment` as well as `model`, so
-alerts can join them with the autoscaler's series.
+alerts can join them with the autoscaler's series. The `outcome` label takes the values of
+`servefleet.api.outcomes.Outcome`, every one created up front (a rate is 0, not absent).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from servefleet.api.gateway_stats import DeploymentStats
+from servefleet.api.outcomes import Outcome
 
 PREFIX = "servefleet_gateway_"
-# client_closed: the client left mid-answer (nginx's 499) — not an error of ours to alert on.
-OUTCOMES = ("ok", "4xx", "429", "503", "spilled", "upstream_error", "client_closed")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 OTHER_TENANT = "_other"
 DEFAULT_TENANT_SERIES_LIMIT = 100
@@ -29,7 +29,7 @@ DEFAULT_TENANT_SERIES_LIMIT = 100
 class TenantModelMetrics:
     """The children one request touches, resolved once per (tenant, model)."""
 
-    outcome: dict[str, Counter]
+    outcome: dict[Outcome, Counter]
     prompt_tokens: Counter
     completion_tokens: Counter
     queue_wait: Histogram
@@ -44,7 +44,7 @@ class GatewayMetrics:
         tm = ["tenant", "model"]
         self.requests = self._counter(
             "requests",
-            "Requests by outcome (ok, 4xx, 429, 503, spilled, upstream_error, client_closed).",
+            f"Requests by outcome ({', '.join(Outcome)}).",
             [*tm, "outcome"],
         )
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens served.", tm)
@@ -124,7 +124,7 @@ class GatewayMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = TenantModelMetrics(
-                {o: self.requests.labels(key[0], model, o) for o in OUTCOMES},
+                {o: self.requests.labels(key[0], model, o.value) for o in Outcome},
                 self.prompt_tokens.labels(*key),
                 self.completion_tokens.labels(*key),
                 self.queue_wait.labels(*key),

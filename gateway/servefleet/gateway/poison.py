@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.gateway.call import Call
-from servefleet.gateway.errors import GatewayError
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.routing import Replica
 from servefleet.gateway.upstream import UpstreamError, UpstreamPool
@@ -66,16 +66,16 @@ async def is_poisoned(upstream: UpstreamPool, call: Call, replica: Replica) -> b
     return True
 
 
-class PoisonedRequest(GatewayError):
+class PoisonedRequest(OpenAIError):
     """The 504 of a request that stalled a live replica: failed once, never moved."""
 
 
 def poisoned_error(call: Call) -> PoisonedRequest:
     timeout = call.route.pool.config.upstream_timeout_seconds
     return PoisonedRequest(
-        504,
-        f"The model did not answer this request within {timeout:g} s while answering others; "
-        f"it is not retried (request id {call.request_id}).",
+        status=504,
+        message=f"The model did not answer this request within {timeout:g} s while answering "
+        f"others; it is not retried (request id {call.request_id}).",
         type="upstream_error",
         code="timeout",
         headers={"x-request-id": call.request_id},

@@ -5,22 +5,25 @@ part): it decides once, through `admission`, whether a request is served, queued
 shed, and does the waiting itself, so a caller only acts on the answer — a `Lease` on a
 replica, a `Spill` (the spill-over budget already taken) or a `Shed`. Queued requests wait in
 the fair queue until `pump` hands them a replica: on every release, every replica that becomes
-ready, and every ejection back-off that ends.
+ready, and every ejection back-off that ends; broken streams waiting for another replica
+(`pool_resume`, driven by callbacks from here) are served first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
-from servefleet.api.gateway_stats import DeploymentStats, GatewayReplicaStats, ReplicaHealth
-from servefleet.gateway.admission import Action, AdmissionOutcome, PoolView, SpillRule, decide
+from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
+from servefleet.api.outcomes import Outcome
+from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
 from servefleet.gateway.measurements import Ewma, LatencyWindow, RateWindow
-from servefleet.gateway.pool_resume import ResumeWaiters
-from servefleet.gateway.pool_types import Lease, PoolRequest, Shed, Spill
+from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
+from servefleet.gateway.pool_types import Lease, Placement, PoolRequest, Shed, Spill
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
 from servefleet.gateway.retry_promises import RetryPromises
 from servefleet.gateway.routing import Replica, ReplicaSet
@@ -29,7 +32,7 @@ from servefleet.gateway.spill_budget import LocalSpillBudget, SpillBudget
 if TYPE_CHECKING:  # the tokenizer is optional and loaded lazily
     from servefleet.gateway.token_counter import PromptTokenCounter
 
-__all__ = ["DeploymentPool", "Lease", "PoolRequest", "Shed", "Spill"]
+__all__ = ["DeploymentPool", "Lease", "Placement", "PoolRequest", "Shed", "Spill"]
 
 
 class _ShedWhileQueued(Exception):
@@ -155,28 +158,28 @@ class DeploymentPool:
         self.ttfts.add(self._clock(), seconds)
 
     # -- the entry point ------------------------------------------------------------------
-    async def acquire(self, request: PoolRequest) -> Lease | Spill | Shed:
+    async def acquire(self, request: PoolRequest) -> Placement:
         """Serve, queue, spill or shed: decided once here, waited for here. A request back at
         the time its Retry-After gave it is let into the queue even when it is full."""
         promised = bool(self.promises) and self.promises.redeem(request.retry_key, self._clock())
-        outcome = self._admit(request, promised)
-        if outcome.action is Action.SHED:
-            return self._refuse(request, outcome.predicted_wait_s, outcome.reason)
-        if outcome.action is Action.SERVE:
+        admitted = self._admit(request, promised)
+        if admitted.placed is Outcome.SHED:
+            return self._refuse(request, admitted.predicted_wait_s, admitted.reason)
+        if admitted.now:
             lease = self._dispatch_now(request)
             if lease is not None:
                 self._granted(request, lease)
                 return lease
-        elif outcome.action is Action.SPILL:
+        elif admitted.placed is Outcome.SPILLED:
             budget = self.spill_budget
             if budget is not None and await budget.take():
                 now = self._clock()
                 self._spills.add(now)
                 self._spilled_tokens.add(now, request.tokens)
-                return Spill(outcome.reason)
-            if outcome.predicted_wait_s > self.config.admission.max_queue_wait:
+                return Spill(admitted.reason)
+            if admitted.predicted_wait_s > self.config.admission.max_queue_wait:
                 return self._refuse(
-                    request, outcome.predicted_wait_s, "spill-over rate cap reached"
+                    request, admitted.predicted_wait_s, "spill-over rate cap reached"
                 )
         # Queued, a free slot taken by someone else meanwhile, or spill-over capped.
         return await self._wait_for_slot(request, promised)
@@ -194,7 +197,7 @@ class DeploymentPool:
             return False
         return self.spill_budget.available()
 
-    def _admit(self, request: PoolRequest, promised: bool) -> AdmissionOutcome:
+    def _admit(self, request: PoolRequest, promised: bool) -> Admission:
         """A promised retry finds room; a fresh request counts the promises falling due as
         queued ahead of it, so it does not take the room kept for them."""
         now = self._clock()
@@ -276,7 +279,7 @@ class DeploymentPool:
         except _ShedWhileQueued as pushed_out:
             return pushed_out.shed
         except TimeoutError:
-            if not _holds_lease(future):
+            if not holds_lease(future):
                 queue.cancel(entry)
                 future.cancel()
                 return self._refuse(
@@ -285,7 +288,7 @@ class DeploymentPool:
             lease = future.result()  # dispatched at the very moment the wait ran out
         except asyncio.CancelledError:
             # The client went away while queued: give the slot back if one was handed over.
-            if _holds_lease(future):
+            if holds_lease(future):
                 self.release(future.result(), ok=True)
             else:
                 queue.cancel(entry)
@@ -312,7 +315,7 @@ class DeploymentPool:
         return (self.seconds_until_ready(now) or 0.0) + ahead / max(per_replica, 1e-6)
 
     def pump(self) -> None:
-        """Hand free slots to broken streams waiting (`pool_resume`), then to queued requests."""
+        """Hand free slots to broken streams waiting (`reroute_waiting`), then to the queue."""
         if self.resuming:
             self.resuming.serve(self.lease_elsewhere)
         queue = self.queue
@@ -340,6 +343,16 @@ class DeploymentPool:
         if moved is not None:
             self.release(lease, ok=False)
         return moved
+
+    async def reroute_waiting(self, broken: Lease, timeout_s: float) -> Lease | None:
+        """`reroute` for a stream its replica broke: when other replicas are ready but all
+        busy, wait (at most `timeout_s`) for one of their slots instead of giving up."""
+        moved = self.reroute(broken)
+        if moved is not None or not self.replicas.others_ready(broken.replica):
+            return moved
+        self.release(broken, ok=False)
+        release = functools.partial(self.release, ok=True)
+        return await self.resuming.wait(broken, timeout_s, pump=self.pump, release=release)
 
     def lease_elsewhere(self, lease: Lease) -> Lease | None:
         """A slot for `lease`'s request on another replica, if one is free now."""
@@ -389,18 +402,5 @@ class DeploymentPool:
             ttft_p90_seconds=self.ttfts.percentile(now, 0.9),
             prompt_token_count="estimate" if self.token_counter is None else "tokenizer",
             ready_replicas=self.replicas.ready_count(now),
-            replicas=[
-                GatewayReplicaStats(
-                    endpoint=r.endpoint,
-                    state=r.state,
-                    outstanding=r.outstanding,
-                    cap=r.cap,
-                    served=r.served,
-                )
-                for r in self.replicas.replicas.values()
-            ],
+            replicas=self.replicas.stats(),
         )
-
-
-def _holds_lease(future: asyncio.Future[Lease]) -> bool:
-    return future.done() and not future.cancelled() and future.exception() is None

@@ -4,7 +4,8 @@ A stream whose replica died is continued on another one (`forward.Forwarder._con
 every other ready replica is busy, giving up would cut an answer its client is half-way
 through, so the stream waits for the next freed slot: ahead of the queue, as it was admitted
 already, and for at most the deployment's upstream timeout (a stream may be silent that long
-anyway).
+anyway). The pool owns the waiters (`DeploymentPool.reroute_waiting`) and drives them with
+callbacks: this module knows leases, not the pool.
 """
 
 from __future__ import annotations
@@ -13,14 +14,8 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from servefleet.api.gateway_stats import ReplicaHealth
 from servefleet.gateway.pool_types import Lease
-from servefleet.gateway.routing import Replica
-
-if TYPE_CHECKING:
-    from servefleet.gateway.pool import DeploymentPool
 
 Waiter = tuple["asyncio.Future[Lease]", Lease]  # (its lease to come, its broken replica's)
 
@@ -47,21 +42,31 @@ class ResumeWaiters:
             self._waiting.popleft()
             future.set_result(moved)
 
-    async def wait(self, pool: DeploymentPool, broken: Lease, timeout_s: float) -> Lease | None:
+    async def wait(
+        self,
+        broken: Lease,
+        timeout_s: float,
+        *,
+        pump: Callable[[], None],
+        release: Callable[[Lease], None],
+    ) -> Lease | None:
+        """A lease elsewhere for `broken`'s request, handed over by `serve` (which `pump`
+        calls when slots free); None after `timeout_s`. A lease handed over to a waiter that
+        is cancelled goes back through `release`."""
         future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         entry: Waiter = (future, broken)
         self._waiting.append(entry)
-        pool.pump()
+        pump()
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
-            if _holds_lease(future):
+            if holds_lease(future):
                 return future.result()  # handed over at the moment the wait ran out
             future.cancel()
             return None
         except asyncio.CancelledError:
-            if _holds_lease(future):
-                pool.release(future.result(), ok=True)
+            if holds_lease(future):
+                release(future.result())
             future.cancel()
             raise
         finally:
@@ -69,21 +74,6 @@ class ResumeWaiters:
                 self._waiting.remove(entry)
 
 
-async def reroute_waiting(pool: DeploymentPool, broken: Lease, timeout_s: float) -> Lease | None:
-    """`pool.reroute` for a stream its replica broke: when other replicas are ready but all
-    busy, wait for one of their slots instead of giving up; None when there is none."""
-    moved = pool.reroute(broken)
-    if moved is not None or not others_ready(pool, broken.replica):
-        return moved
-    pool.release(broken, ok=False)
-    return await pool.resuming.wait(pool, broken, timeout_s)
-
-
-def others_ready(pool: DeploymentPool, replica: Replica) -> bool:
-    """Whether a replica other than `replica` is ready (busy or not)."""
-    others = (r for r in pool.replicas.replicas.values() if r is not replica)
-    return any(r.state is ReplicaHealth.READY for r in others)
-
-
-def _holds_lease(future: asyncio.Future[Lease]) -> bool:
+def holds_lease(future: asyncio.Future[Lease]) -> bool:
+    """Whether a waiter's future was handed a lease (not cancelled, not failed)."""
     return future.done() and not future.cancelled() and future.exception() is None

@@ -1,10 +1,13 @@
 """What the pool is asked and what it answers: a request to place; a lease on a replica, a
-spill-over, or a shed with its Retry-After."""
+spill-over, or a shed with its Retry-After. Each answer is placed for one outcome of
+`servefleet.api.outcomes` (its `outcome`), which is all the metrics and the access log read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from servefleet.api.outcomes import Outcome
 from servefleet.gateway.queueing import TrafficClass
 from servefleet.gateway.routing import Replica
 
@@ -25,6 +28,8 @@ class PoolRequest:
 class Lease:
     """A slot on a replica, held from dispatch until the response ends."""
 
+    outcome: ClassVar[Outcome] = Outcome.OK
+
     replica: Replica
     tokens: int
     dispatched_at: float
@@ -37,6 +42,8 @@ class Lease:
 class Spill:
     """Send the request to the hosted API; one unit of the spill-over budget is taken."""
 
+    outcome: ClassVar[Outcome] = Outcome.SPILLED
+
     reason: str
 
 
@@ -44,5 +51,11 @@ class Spill:
 class Shed:
     """Answer 503 with this Retry-After."""
 
+    outcome: ClassVar[Outcome] = Outcome.SHED
+
     retry_after_s: float
     reason: str
+
+
+Placement = Lease | Spill | Shed
+"""What `DeploymentPool.acquire` answers."""

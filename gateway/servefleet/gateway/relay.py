@@ -2,9 +2,9 @@
 
 A whole body goes as it came, unless it is an error the tenant should see in OpenAI's shape; a
 stream is relayed event by event (`proxy.SseRelay`). A client that leaves, streaming or not,
-closes the upstream, which aborts the generation. What was relayed (usage, events, first byte)
-is noted on the `Call` for settling, and the request's outcome and TTFT are counted here, where
-they happen.
+closes the upstream, which aborts the generation. What was relayed (usage, events, first byte,
+whether it completed or the client left) is noted on the `Call`, for settling and for its
+outcome (`call_outcome`); TTFT is measured here, where it happens.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from servefleet.api.openai_errors import error_bytes
 from servefleet.api.stream_resume import CONTINUATION_HEADER, SEED_HEADER
 from servefleet.gateway.asgi import JSON, Headers, Receive, Send, respond
 from servefleet.gateway.call import Call
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
-from servefleet.gateway.errors import error_body, sse_error_event
+from servefleet.gateway.errors import sse_error_event
 from servefleet.gateway.proxy import SseRelay, upstream_error_message, usage_from_json
 from servefleet.gateway.queueing import TrafficClass
 from servefleet.gateway.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -69,7 +70,6 @@ class Relay:
         resume: Resume | None,
     ) -> bool:
         """A whole answer; a replica failing while answering is asked of another (`resume`)."""
-        m = call.route.metrics
         status = response.status
         try:
             body = await unless_client_leaves(response.read(), receive)
@@ -82,12 +82,15 @@ class Relay:
             retry = await resume() if resume is not None and status == 200 else None
             if retry is not None:  # nothing reached the client yet: the whole answer again
                 return await self._whole(call, retry, send, receive, headers, spill, None)
-            m.outcome["upstream_error"].inc()
             code = 504 if isinstance(exc, UpstreamTimeout) else 502
             await respond(
                 send,
                 code,
-                error_body("The upstream failed while answering.", "upstream_error", "timeout"),
+                error_bytes(
+                    message="The upstream failed while answering.",
+                    type="upstream_error",
+                    code="timeout",
+                ),
                 headers=headers[1:],
             )
             return False
@@ -98,7 +101,7 @@ class Relay:
         call.first_byte = True
         self._observe_ttft(call, spill)
         await respond(send, 200, body, headers=headers[1:], content_type=headers[0][1])
-        _count_ok(call, spill)
+        call.completed = True
         return True
 
     async def _stream(
@@ -141,10 +144,7 @@ class Relay:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         call.used = relay.usage
         call.events = relay.events
-        if completed:
-            _count_ok(call, spill)
-        else:
-            call.route.metrics.outcome["client_closed" if left else "upstream_error"].inc()
+        call.completed, call.client_left = completed, left
         return completed
 
     async def _pump(
@@ -189,31 +189,19 @@ async def _error(
     call: Call, status: int, body: bytes, send: Send, headers: Headers, *, spill: bool
 ) -> bool:
     """An upstream error answer; True when it is the client's own error (4xx), not a failure."""
-    m = call.route.metrics
     if spill and status not in (400, 404, 422):
         # Our key, their quota, their outage: not the tenant's error to see as-is.
-        m.outcome["upstream_error"].inc()
         message = "The spill-over API failed: " + upstream_error_message(status, body)
         await respond(
             send,
             502,
-            error_body(message, "upstream_error", "upstream_error"),
+            error_bytes(message=message, type="upstream_error", code="upstream_error"),
             headers=headers[1:],
         )
         return False
     content_type = headers[0][1]
     if b'"error"' not in body:
-        body = error_body(upstream_error_message(status, body), "upstream_error")
+        body = error_bytes(message=upstream_error_message(status, body), type="upstream_error")
         content_type = JSON
-    m.outcome["4xx" if status < 500 else "upstream_error"].inc()
     await respond(send, status, body, headers=headers[1:], content_type=content_type)
     return status < 500
-
-
-def _count_ok(call: Call, spill: bool) -> None:
-    call.completed = True
-    m = call.route.metrics
-    m.outcome["spilled" if spill else "ok"].inc()
-    if call.used is not None:
-        m.prompt_tokens.inc(call.used.prompt_tokens)
-        m.completion_tokens.inc(call.used.completion_tokens)

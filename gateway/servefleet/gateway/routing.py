@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from servefleet.api.gateway_stats import ReplicaHealth
+from servefleet.api.gateway_stats import GatewayReplicaStats, ReplicaHealth
 
 
 def stable_hash(text: str) -> int:
@@ -106,6 +106,23 @@ class ReplicaSet:
 
     def starting(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.state is ReplicaHealth.STARTING]
+
+    def stats(self) -> list[GatewayReplicaStats]:
+        return [
+            GatewayReplicaStats(
+                endpoint=r.endpoint,
+                state=r.state,
+                outstanding=r.outstanding,
+                cap=r.cap,
+                served=r.served,
+            )
+            for r in self.replicas.values()
+        ]
+
+    def others_ready(self, replica: Replica) -> bool:
+        """Whether a replica other than `replica` is ready (busy or not)."""
+        others = (r for r in self.replicas.values() if r is not replica)
+        return any(r.state is ReplicaHealth.READY for r in others)
 
     def outstanding(self) -> int:
         return sum(r.outstanding for r in self.replicas.values())

@@ -12,13 +12,11 @@ SGLang), whose usage is then stitched here.
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from servefleet.api.seeds import new_seed
 from servefleet.api.stream_resume import RESUME_TOKEN_IDS, RETURN_TOKEN_IDS
-
-MAX_SEED = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -94,7 +92,7 @@ def first_body(parsed: dict[str, Any], *, exact: bool) -> dict[str, Any]:
     if exact:
         body[RETURN_TOKEN_IDS] = True
     if body.get("seed") is None:
-        body["seed"] = secrets.randbelow(MAX_SEED)
+        body["seed"] = new_seed()
     return body
 
 

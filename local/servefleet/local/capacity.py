@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from servefleet.api.engine_resources import engine_resources
 from servefleet.api.llmdeployment import LLMDeploymentSpec
-from servefleet.api.quantity import parse_memory_size
 from servefleet.autoscaler.signals import ReplicaState
 
 from .supervisor import DeploymentSupervisor
@@ -48,21 +48,11 @@ class EngineFootprint(BaseModel):
     memory_bytes: int | None = Field(default=None, gt=0, description="None = not limiting")
 
 
-def parse_cpu(quantity: int | str) -> float:
-    """A Kubernetes CPU quantity in cores: 2, "1.5", "500m"."""
-    text = str(quantity).strip()
-    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
-
-
 def footprint_from_spec(spec: LLMDeploymentSpec) -> EngineFootprint:
     """The spec's requests (limits if no request), 1 core and unknown memory when unset."""
-    resources = spec.engine.resources
-    cpu = resources.requests.get("cpu", resources.limits.get("cpu"))
-    memory = resources.requests.get("memory", resources.limits.get("memory"))
-    size = parse_memory_size(memory) if memory is not None else None
+    resources = engine_resources(spec)
     return EngineFootprint(
-        cores=parse_cpu(cpu) if cpu is not None and parse_cpu(cpu) > 0 else DEFAULT_ENGINE_CORES,
-        memory_bytes=size.bytes if size is not None else None,
+        cores=resources.cores or DEFAULT_ENGINE_CORES, memory_bytes=resources.memory_bytes
     )
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from servefleet.api.api_model import ApiModel
 from servefleet.api.conventions import engine_selector
+from servefleet.api.engine_resources import engine_resources
 from servefleet.api.engine_spec import GPU_RESOURCE
 from servefleet.api.llmdeployment import LLMDeployment
 
@@ -28,7 +29,7 @@ def _pruned(value: Any) -> Any:
 
 def _tolerations(dep: LLMDeployment) -> list[dict[str, Any]]:
     wanted = [_wire(t) for t in dep.spec.scheduling.tolerations]
-    if dep.spec.engine.resources.gpus() > 0 and GPU_TOLERATION not in wanted:
+    if engine_resources(dep.spec).gpus > 0 and GPU_TOLERATION not in wanted:
         wanted.append(dict(GPU_TOLERATION))
     return wanted
 

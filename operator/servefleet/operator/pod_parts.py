@@ -1,5 +1,6 @@
-"""The engine container's parts that are plain data from the spec: env, resources, probes,
-and the init container that seeds the scratch volume. Pure; `render` assembles the pod."""
+"""The engine container's parts that are plain data from the spec: env, probes, and the init
+container that seeds the scratch volume (its resources are `servefleet.api.engine_resources`).
+Pure; `render` assembles the pod."""
 
 from __future__ import annotations
 
@@ -27,16 +28,6 @@ def user_env(dep: LLMDeployment) -> list[dict[str, Any]]:
             )
         else:
             out.append({"name": var.name, "value": var.value or ""})
-    return out
-
-
-def resources(dep: LLMDeployment) -> dict[str, Any]:
-    res = dep.spec.engine.resources
-    out: dict[str, Any] = {}
-    if res.requests:
-        out["requests"] = {k: str(v) for k, v in sorted(res.requests.items())}
-    if res.limits:
-        out["limits"] = {k: str(v) for k, v in sorted(res.limits.items())}
     return out
 
 

@@ -36,14 +36,13 @@ from servefleet.api.conventions import (
     SCRATCH_MOUNT,
     SCRATCH_VOLUME,
     SECRETS_MOUNT,
-    SHM_MOUNT,
-    SHM_VOLUME,
     engine_key_secret_name,
     engine_object_name,
     engine_selector,
     label_selector,
     route_object_name,
 )
+from servefleet.api.engine_resources import engine_resources
 from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import ServiceRef
 from servefleet.api.gateway_render import MountedSecretKeys, render_gateway_config
@@ -64,7 +63,6 @@ from servefleet.operator.placement import placement
 from servefleet.operator.pod_parts import (
     EXIT_GRACE_SECONDS,
     probes,
-    resources,
     seed_container,
     user_env,
 )
@@ -170,16 +168,14 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         settings.image_pull_policy,
         settings.host_path_prefixes,
     )
+    resources = engine_resources(dep.spec)
     scratch = {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT}
-    volumes = [*model.volumes, {"name": SCRATCH_VOLUME, "emptyDir": {}}]
-    mounts = [*model.mounts, scratch]
+    volumes = [*model.volumes, {"name": SCRATCH_VOLUME, "emptyDir": {}}, *resources.volumes()]
+    mounts = [*model.mounts, scratch, *resources.mounts()]
     init_containers = list(model.init_containers)
     if adapter.image_scratch:
         seed = seed_container(adapter, image, settings.image_pull_policy)
         init_containers.insert(0, seed)
-    if adapter.needs_shared_memory:
-        volumes = [*volumes, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
-        mounts = [*mounts, {"name": SHM_VOLUME, "mountPath": SHM_MOUNT}]
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": image,
@@ -192,8 +188,8 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         "env": [*engine_key_env(dep, adapter), *scratch_env(dep), *user_env(dep)],
         "volumeMounts": mounts,
     }
-    if limits := resources(dep):
-        container["resources"] = limits
+    if asked := resources.container():
+        container["resources"] = asked
     spec: dict[str, Any] = {
         "containers": [container],
         "initContainers": [

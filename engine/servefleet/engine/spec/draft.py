@@ -11,10 +11,10 @@ For a greedy request the proposals are the draft's argmax, a deterministic funct
 the tokens: verification accepts while the target's own token equals them, so outputs are
 exactly what the target alone writes. For a sampled request the draft draws each proposal
 from its own distribution q, processed as the target processes its rows (logit bias,
-penalties, temperature, top-k/top-p; `verify.request_probs`) with a counter-based uniform
-of its own stream, and hands q to verification (`verify.Proposal`), which applies standard
-speculative sampling: a draft that resembles the target is accepted with probability
-sum(min(p, q)) per token instead of p(argmax q).
+penalties, temperature, top-k/top-p: the target's own chain, `sampler.request_probs`) with a
+counter-based uniform of its own stream, and hands q to verification (`verify.Proposal`),
+which applies standard speculative sampling: a draft that resembles the target is accepted
+with probability sum(min(p, q)) per token instead of p(argmax q).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch
 
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.runner import CausalLM, ModelRunner
-from servefleet.engine.sampler import draw_token
+from servefleet.engine.sampler import draw_token, request_probs
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from servefleet.engine.sequence import Sequence
-from servefleet.engine.spec.verify import DRAFT_STREAM, Proposal, request_probs, stream_uniform
+from servefleet.engine.spec.verify import DRAFT_STREAM, Proposal, stream_uniform
 
 DRAFT_PARAMS = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
 

@@ -12,13 +12,14 @@ that doubles each time acceptance stays low.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from servefleet.api.speculative import SpeculativeConfig
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.sequence import Sequence
 from servefleet.engine.spec.ngram import propose_ngram
+from servefleet.engine.spec.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from servefleet.engine.scheduler import ScheduledChunk, SchedulerConfig, SchedulerOutput
@@ -28,16 +29,6 @@ ACCEPTANCE_EMA_WEIGHT = 0.2  # weight of the latest verification in a request's 
 INITIAL_ACCEPTANCE_RATE = 0.5  # before any measurement: neither trusted nor written off
 FIRST_COOL_DOWN_STEPS = 16
 MAX_COOL_DOWN_STEPS = 512
-
-
-@dataclass
-class SpecDecodeStats:
-    """Counts since the last `take_stats`, as vLLM reports them."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

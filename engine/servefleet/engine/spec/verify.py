@@ -18,20 +18,17 @@ request stays reproducible, though no longer token-identical to a run without sp
 from __future__ import annotations
 
 from collections.abc import Iterable
-from collections.abc import Sequence as Seq
 
 import torch
 
 from servefleet.engine.sampler import (
     TokenLogprobs,
-    apply_logit_bias,
-    apply_penalties,
     choose_token,
     counter_uniform,
     draw_token,
     is_plain_greedy,
+    request_probs,
     sampling_seed,
-    target_probs,
     token_logprobs,
 )
 from servefleet.engine.sequence import Sequence
@@ -58,16 +55,6 @@ def stream_uniform(seq: Sequence, stream: int, position: int) -> float:
     """The uniform of `stream` behind output position `position`: a pure function of the
     request's seed and the position, like the target's own draws."""
     return counter_uniform(sampling_seed(seq) ^ stream, position)
-
-
-def request_probs(row_logits: torch.Tensor, seq: Sequence, pending: Seq[int]) -> torch.Tensor:
-    """The distribution `choose_token` draws output position len(output) + len(pending)
-    from: logit bias, penalties (counting `pending`), temperature, top-k/top-p."""
-    params = seq.params
-    row = apply_logit_bias(row_logits, params.logit_bias)
-    if params.needs_penalties:
-        row = apply_penalties(row, [*seq.output_token_ids, *pending], params)
-    return target_probs(row, params)
 
 
 def _speculative_sample(

@@ -16,9 +16,9 @@ from typing import Any
 
 from xgrammar import CompiledGrammar
 
+from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, SamplingRequest
 from servefleet.engine.prepare_pool import Budget, TooComplex
-from servefleet.engine.protocol import OpenAIError
 from servefleet.engine.structured.compile_worker import CompilerUnavailable, CompileTimeout
 from servefleet.engine.structured.constraint import (
     ConstraintError,
@@ -80,12 +80,15 @@ class StructuredOutputs:
         try:
             return self.grammars.compile(spec, budget)
         except ConstraintError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
+            raise OpenAIError(status=400, message=str(exc), param=exc.param) from exc
         except CompileTimeout:
             raise TooComplex(spec.param, "grammar compilation") from None
         except CompilerUnavailable as exc:
             raise OpenAIError(
-                503, str(exc), type="service_unavailable", headers={"Retry-After": "5"}
+                status=503,
+                message=str(exc),
+                type="service_unavailable",
+                headers={"Retry-After": "5"},
             ) from exc
 
     @staticmethod
@@ -96,13 +99,13 @@ class StructuredOutputs:
         try:
             plan = tool_plan(body)
         except ConstraintError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
+            raise OpenAIError(status=400, message=str(exc), param=exc.param) from exc
         spec = requested_constraint(body)
         forced = tool_constraint(plan) if plan is not None else None
         if spec is not None and forced is not None:
             raise OpenAIError(
-                400,
-                f"{spec.param} and a required or named tool_choice both constrain the "
+                status=400,
+                message=f"{spec.param} and a required or named tool_choice both constrain the "
                 "output; send one of them",
                 param="tool_choice",
             )

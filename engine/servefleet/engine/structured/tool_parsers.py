@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+from servefleet.api.engine_flags import ToolCallParser
+
+TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 
 
 class ParsedCall(BaseModel):

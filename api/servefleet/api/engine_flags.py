@@ -1,0 +1,287 @@
+"""Our engine's knobs, one row each: flag, type, default, allowed values, help.
+
+`servefleet engine`'s argparse, the engine's `EngineConfig` (defaults, descriptions and
+bounds), the adapter that writes our engine's command line (`servefleet.api.engines`) and
+the flag table in the engine's README all read this table, so a new knob is one row here
+and one typed field in `EngineConfig` (a test checks the two agree).
+
+Standard library only: the CLI imports it before binding the port, before pydantic or torch
+are loaded (`servefleet engine --help` stays instant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from servefleet.api.kv_cache import KVCacheDtype
+from servefleet.api.load_quantization import LoadQuantization
+from servefleet.api.matmul_dtype import MatmulDtype
+
+API_KEY_ENV = "SERVEFLEET_API_KEY"
+"""The env var our engine reads its key from when `--api-key` is unset (the operator fills it
+from a Secret, so the key stays out of `ps` and the pod spec)."""
+
+WeightsDtype = Literal["auto", "float32", "bfloat16"]
+DecodeKernelChoice = Literal["auto", "torch", "cpu-c", "triton"]
+MatmulChoice = Literal["auto", "torch", "cpu-c"]
+ToolCallParser = Literal["hermes", "llama3_json"]
+
+Group = Literal["serving", "scheduling", "kernels"]
+GROUP_TITLES: dict[Group, str] = {
+    "serving": "what is served and where",
+    "scheduling": "the KV cache, the batch and speculation",
+    "kernels": "how the model runs on this machine",
+}
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One knob. `kind` is how the command line reads it (a bool is a switch that turns a
+    default-on feature off); `minimum` / `above` / `maximum` bound numbers (>=, >, <=)."""
+
+    name: str  # the EngineConfig field
+    group: Group
+    help: str
+    kind: type = str
+    default: str | int | float | bool | None = None
+    choices: tuple[str, ...] = ()
+    required: bool = False
+    minimum: float | None = None
+    above: float | None = None
+    maximum: float | None = None
+    switch: str | None = None  # a bool's flag, e.g. --no-prefix-caching
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.switch or "--" + self.name.replace("_", "-")
+
+
+def _choices(literal: object) -> tuple[str, ...]:
+    return tuple(str(value) for value in get_args(literal))
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    # ---- what is served and where
+    EngineFlag(
+        "model",
+        "serving",
+        "GGUF file, Hugging Face folder, or built-in name (smollm2-135m-instruct)",
+        required=True,
+    ),
+    EngineFlag("served_model_name", "serving", "model name clients use (default: --model)"),
+    EngineFlag("host", "serving", "address to listen on", default="127.0.0.1"),
+    EngineFlag(
+        "port",
+        "serving",
+        "port to listen on (bound before the model loads)",
+        kind=int,
+        default=8000,
+        minimum=0,
+        maximum=65535,
+    ),
+    EngineFlag(
+        "api_key",
+        "serving",
+        "require `Authorization: Bearer KEY` on every path but /health, /ready, /metrics and "
+        f"/version (default: ${API_KEY_ENV}, else no key, as vLLM without --api-key)",
+        metavar="KEY",
+    ),
+    EngineFlag("dtype", "serving", "weights dtype", default="auto", choices=_choices(WeightsDtype)),
+    EngineFlag("device", "serving", "auto, cpu, cuda, cuda:N", default="auto"),
+    EngineFlag(
+        "tool_call_parser",
+        "serving",
+        "how tool_choice=auto reads the model's tool calls (default: chosen from the chat "
+        "template: llama3_json for Llama 3 templates, else hermes)",
+        choices=_choices(ToolCallParser),
+    ),
+    EngineFlag(
+        "drain_timeout",
+        "serving",
+        "seconds to finish in-flight requests on SIGTERM",
+        kind=float,
+        default=30.0,
+        minimum=0,
+    ),
+    EngineFlag(
+        "stall_timeout",
+        "serving",
+        "seconds without progress before /health fails",
+        kind=float,
+        default=120.0,
+        above=0,
+    ),
+    EngineFlag(
+        "prepare_timeout",
+        "serving",
+        "seconds one request may spend in preparation (chat template, tokenizing, grammar "
+        "compile) before it is refused with 400 request_too_complex",
+        kind=float,
+        default=10.0,
+        above=0,
+    ),
+    # ---- the KV cache, the batch and speculation
+    EngineFlag(
+        "block_size",
+        "scheduling",
+        "tokens per KV-cache block",
+        kind=int,
+        default=16,
+        minimum=1,
+        maximum=256,
+    ),
+    EngineFlag(
+        "kv_cache_memory",
+        "scheduling",
+        "most KV-cache bytes (2GiB, 512MB) or a fraction of free memory (0.3); the cache "
+        "reserves only what max-num-seqs x max-model-len needs when that is less",
+        default="384MiB",
+    ),
+    EngineFlag(
+        "kv_cache_dtype",
+        "scheduling",
+        "auto: the model's dtype; float16 halves what decode attention reads, but greedy "
+        "outputs may then differ in the last tokens between batch compositions; int8 stores "
+        "quantized keys and values (3.76x the tokens of float32; not with the Triton kernel)",
+        default="auto",
+        choices=_choices(KVCacheDtype),
+    ),
+    EngineFlag(
+        "max_num_seqs", "scheduling", "sequences running at once", kind=int, default=64, minimum=1
+    ),
+    EngineFlag(
+        "max_num_batched_tokens",
+        "scheduling",
+        "tokens per engine step",
+        kind=int,
+        default=512,
+        minimum=1,
+    ),
+    EngineFlag(
+        "max_queue_depth",
+        "scheduling",
+        "waiting sequences before 503",
+        kind=int,
+        default=256,
+        minimum=0,
+    ),
+    EngineFlag(
+        "max_model_len",
+        "scheduling",
+        "context length cap (default: the model's)",
+        kind=int,
+        minimum=16,
+    ),
+    EngineFlag(
+        "enable_prefix_caching",
+        "scheduling",
+        "turn off the prefix cache (default: on)",
+        kind=bool,
+        default=True,
+        switch="--no-prefix-caching",
+    ),
+    EngineFlag(
+        "speculative_config",
+        "scheduling",
+        'speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        "(default: off)",
+        metavar="JSON",
+    ),
+    # ---- how the model runs on this machine
+    EngineFlag(
+        "decode_kernel",
+        "kernels",
+        "decode attention kernel (auto: triton on CUDA, cpu-c on CPU)",
+        default="auto",
+        choices=_choices(DecodeKernelChoice),
+    ),
+    EngineFlag(
+        "matmul",
+        "kernels",
+        "projection matmuls: auto uses the C few-row kernels on CPU for decode steps",
+        default="auto",
+        choices=_choices(MatmulChoice),
+    ),
+    EngineFlag(
+        "matmul_dtype",
+        "kernels",
+        "bfloat16: projection calls of 8+ rows (prompt chunks, decode steps of 8+ sequences) "
+        "in bfloat16 products, ~2.7x prefill and ~1.5x decode matmul speed where the CPU has "
+        "AVX512_BF16 or AMX; not batch-invariant",
+        default="float32",
+        choices=_choices(MatmulDtype),
+    ),
+    EngineFlag(
+        "packed_weights",
+        "kernels",
+        "decode matmuls read float32 weights, not the checkpoint's 4/8-bit blocks "
+        "(default: packed)",
+        kind=bool,
+        default=True,
+        switch="--no-packed-weights",
+    ),
+    EngineFlag(
+        "quantization",
+        "kernels",
+        "quantize a float checkpoint's projections at load to packed int8 or int4 blocks "
+        "(CPU, float32; default: weights as stored)",
+        choices=_choices(LoadQuantization),
+    ),
+    EngineFlag(
+        "threads",
+        "kernels",
+        "torch CPU threads (default: torch's choice)",
+        kind=int,
+        minimum=1,
+    ),
+)
+
+ENGINE_FLAG_BY_NAME: dict[str, EngineFlag] = {knob.name: knob for knob in ENGINE_FLAGS}
+
+
+def engine_flag(name: str) -> EngineFlag:
+    """The row of knob `name` (an EngineConfig field); KeyError names a knob that is not one."""
+    return ENGINE_FLAG_BY_NAME[name]
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of knob `name`: `block_size` → `--block-size`."""
+    return engine_flag(name).flag
+
+
+def markdown_table() -> str:
+    """The flag table of the engine's README (a test keeps the two equal)."""
+    rows = ["| flag | default | values | what |", "| --- | --- | --- | --- |"]
+    for knob in ENGINE_FLAGS:
+        rows.append(
+            f"| `{knob.flag}` | {_default_cell(knob)} | {_values_cell(knob)} | {knob.help} |"
+        )
+    return "\n".join(rows)
+
+
+def _default_cell(knob: EngineFlag) -> str:
+    if knob.required:
+        return "required"
+    if knob.kind is bool or knob.default is None:
+        return "—"
+    return f"`{knob.default}`"
+
+
+def _values_cell(knob: EngineFlag) -> str:
+    if knob.choices:
+        return ", ".join(f"`{choice}`" for choice in knob.choices)
+    kind = {bool: "switch", int: "integer", float: "number"}.get(knob.kind, "text")
+    if knob.minimum is not None and knob.maximum is not None:
+        return f"{kind} {knob.minimum:g}–{knob.maximum:g}"
+    if knob.minimum is not None:
+        return f"{kind} ≥ {knob.minimum:g}"
+    if knob.above is not None:
+        return f"{kind} > {knob.above:g}"
+    return kind
+
+
+if __name__ == "__main__":
+    print(markdown_table())
