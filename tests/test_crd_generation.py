@@ -1,9 +1,10 @@
-"""The CRD is generated from the pydantic models; its one committed copy must not drift.
+"""The CRD is generated from the pydantic models, the one source; its two committed copies
+are that output and nothing else, and there is no third.
 
-It is committed once, in the chart (`charts/servefleet/crds/`): Helm installs only files inside
-the chart, and a regular file there works with `helm package`, Argo CD and Flux alike (a
-symlink from elsewhere makes every `helm template` warn, and not every tool follows one).
-Without Helm, `kubectl apply -f charts/servefleet/crds/`.
+`crds/` is where the tree shows it (`kubectl apply -f crds/` without Helm); the chart carries
+the same file in its own `crds/` because Helm installs only files inside a chart, and a regular
+file there works with `helm package`, Argo CD and Flux alike (a symlink makes every
+`helm template` warn, and not every tool follows one). `make crd` writes both.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from servefleet.api.crd import CRD_NAME, crd_manifest, crd_yaml
 from servefleet.cli import crd_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITTED = ROOT / "charts" / "servefleet" / "crds" / "llmdeployments.servefleet.io.yaml"
+COPIES = [
+    ROOT / "charts" / "servefleet" / "crds" / "llmdeployments.servefleet.io.yaml",
+    ROOT / "crds" / "llmdeployments.servefleet.io.yaml",
+]
 
 
 def walk(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -39,10 +43,9 @@ def schema() -> dict[str, Any]:
     return result
 
 
-def test_committed_crd_matches_the_models() -> None:
-    assert COMMITTED.read_text() == crd_yaml(), (
-        f"{COMMITTED} drifted: run `servefleet crd generate -o {COMMITTED.relative_to(ROOT)}`"
-    )
+def test_committed_crds_are_what_the_models_generate() -> None:
+    for copy in COPIES:
+        assert copy.read_text() == crd_yaml(), f"{copy} drifted from the models: run `make crd`"
 
 
 def crd_copies(root: Path) -> list[Path]:
@@ -59,8 +62,8 @@ def crd_copies(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def test_the_crd_is_committed_once(tmp_path: Path) -> None:
-    assert crd_copies(ROOT) == [COMMITTED]
+def test_there_is_no_other_copy_of_the_crd(tmp_path: Path) -> None:
+    assert crd_copies(ROOT) == sorted(COPIES)
     (tmp_path / "crds").mkdir()
     (tmp_path / "crds" / "copy.yaml").write_text(crd_yaml())
     assert crd_copies(tmp_path) == [tmp_path / "crds" / "copy.yaml"]
