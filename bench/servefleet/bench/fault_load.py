@@ -81,7 +81,11 @@ class RequestSpec:
 
 
 def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
+    """A header's integer (seeds are signed), or None when absent or not one."""
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _retry_after(response: httpx.Response) -> float | None:
