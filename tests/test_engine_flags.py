@@ -118,7 +118,12 @@ def test_every_knob_has_a_distinct_flag_and_help() -> None:
     assert len(set(flags)) == len(flags)
     assert all(isinstance(knob, EngineFlag) and knob.help for knob in ENGINE_FLAGS)
     switches = [knob for knob in ENGINE_FLAGS if knob.kind is bool]
-    assert all(knob.switch and knob.default is True for knob in switches)
+    # on by default: a --no-... switch turns it off; off by default: its own flag turns it on
+    assert all(
+        (knob.default is True and knob.switch and knob.switch.startswith("--no-"))
+        or (knob.default is False and knob.switch is None)
+        for knob in switches
+    )
 
 
 HELP_IMPORTS = """

@@ -37,8 +37,10 @@ GROUP_TITLES: dict[Group, str] = {
 
 @dataclass(frozen=True)
 class EngineFlag:
-    """One knob. `kind` is how the command line reads it (a bool is a switch that turns a
-    default-on feature off); `minimum` / `above` / `maximum` bound numbers (>=, >, <=)."""
+    """One knob. `kind` is how the command line reads it (a bool is a switch: `switch`, e.g.
+    `--no-prefix-caching`, turns a default-on feature off; a default-off one is turned on by
+    its own flag, e.g. `--enable-lora`); `minimum` / `above` / `maximum` bound numbers
+    (>=, >, <=)."""
 
     name: str  # the EngineConfig field
     group: Group
@@ -96,6 +98,32 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "how tool_choice=auto reads the model's tool calls (default: chosen from the chat "
         "template: llama3_json for Llama 3 templates, else hermes)",
         choices=_choices(ToolCallParser),
+    ),
+    EngineFlag(
+        "enable_lora",
+        "serving",
+        "serve LoRA adapters beside the model, loaded at run time with POST "
+        "/v1/load_lora_adapter (as vLLM)",
+        kind=bool,
+        default=False,
+    ),
+    EngineFlag(
+        "max_loras",
+        "serving",
+        "adapters resident at once; loading one more evicts the least recently used idle one",
+        kind=int,
+        default=8,
+        minimum=1,
+        maximum=1024,
+    ),
+    EngineFlag(
+        "max_lora_rank",
+        "serving",
+        "highest adapter rank (r) accepted",
+        kind=int,
+        default=64,
+        minimum=1,
+        maximum=1024,
     ),
     EngineFlag(
         "drain_timeout",

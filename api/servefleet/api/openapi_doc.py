@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from servefleet.api.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from servefleet.api.openai_requests import (
     REFUSED_FIELDS,
     ChatCompletionRequest,
@@ -84,6 +85,12 @@ OPERATIONS: dict[str, Operation] = {
     "/v1/models": Operation("get", "List the models served"),
     "/v1/models/{model}": Operation("get", "One model's card", parameters=(_MODEL_ID,)),
     "/version": Operation("get", "Server and API versions"),
+    "/v1/load_lora_adapter": Operation(
+        "post", "Load a LoRA adapter (vLLM's)", LoadLoraAdapterRequest
+    ),
+    "/v1/unload_lora_adapter": Operation(
+        "post", "Unload a LoRA adapter (vLLM's)", UnloadLoraAdapterRequest
+    ),
     "/health": Operation("get", "Liveness", probe=True),
     "/ready": Operation("get", "Readiness", probe=True),
     "/metrics": Operation("get", "Prometheus metrics", media_type=PROMETHEUS_TEXT),

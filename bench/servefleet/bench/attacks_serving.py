@@ -9,6 +9,7 @@ the health probes run, and judges those.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -236,10 +237,15 @@ def wrong_methods(stack: AttackStack, result: AttackResult) -> None:
     result.outcome = _outcome(result)
 
 
-def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
-    """A tenant calls an engine directly: chat, tokenize, detokenize, models.
+LOAD_ADAPTER = "/v1/load_lora_adapter"
 
-    Whoever finds an engine's address gets nothing from it without the engine key."""
+
+def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
+    """A tenant calls an engine directly: chat, tokenize, detokenize, models, and loads a
+    LoRA adapter from a path of its choosing, there and through the gateway.
+
+    Whoever finds an engine's address gets nothing from it without the engine key; the
+    gateway's tenant port has no adapter control path at all."""
     engine = stack.engines[0].url
     chat = payloads.chat("hi", max_tokens=2)
     calls: dict[str, tuple[str, str, dict[str, object] | None]] = {
@@ -247,11 +253,14 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "tokenize": ("POST", "/tokenize", {"model": chat["model"], "prompt": "hi"}),
         "detokenize": ("POST", "/detokenize", {"model": chat["model"], "tokens": [1, 2]}),
         "models": ("GET", "/v1/models", None),
+        "load adapter": ("POST", LOAD_ADAPTER, {"lora_name": "evil", "lora_path": "/etc"}),
     }
     headers = stack.tenant_headers(ATTACKER)
     for label, (method, path, body) in calls.items():
         call = partial(httpx.request, method, engine + path, json=body, headers=headers)
         _refused(result, label, call, (401,))
+    load = json.dumps(calls["load adapter"][2]).encode()
+    _refused(result, "load adapter via gateway", lambda: stack.post(LOAD_ADAPTER, load), (404,))
     result.outcome = _outcome(result)
 
 

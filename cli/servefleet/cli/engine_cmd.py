@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _argparse_options(knob: EngineFlag) -> dict[str, Any]:
-    """How argparse reads one knob: a bool is a switch turning a default-on feature off;
+    """How argparse reads one knob: a bool is a switch that flips its default;
     bounds are left to EngineConfig, whose error names the flag (`_settings_error`)."""
     options: dict[str, Any] = {"dest": knob.name, "help": knob.help, "default": knob.default}
     if knob.kind is bool:

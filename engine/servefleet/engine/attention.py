@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from servefleet.engine.kv_quant import widen, write_rows
+
+if TYPE_CHECKING:
+    from servefleet.engine.lora.batch import LoraBatch
 
 DecodeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -35,7 +39,8 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs about one step, built once and shared by all layers."""
+    """Everything attention needs about one step, built once and shared by all layers,
+    and the step's adapters (which rows run under which LoRA; None: all on the base)."""
 
     slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset for every token
     block_size: int
@@ -43,6 +48,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # int32 [D, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # int32 [D], the current token included
     prefills: list[PrefillSpan] = field(default_factory=list)
+    lora: LoraBatch | None = None
 
 
 def torch_paged_decode(

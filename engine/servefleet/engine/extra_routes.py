@@ -26,6 +26,7 @@ from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_documen
 from servefleet.api.request_caps import utf8_len
 from servefleet.engine.api_key import is_protected
 from servefleet.engine.embedder import embed
+from servefleet.engine.lora_routes import model_cards
 from servefleet.engine.preparation import (
     INLINE_PREPARE_BYTES,
     check_fits,
@@ -34,29 +35,26 @@ from servefleet.engine.preparation import (
 )
 from servefleet.engine.prepare_pool import Budget
 from servefleet.engine.protocol import new_id, usage
-from servefleet.engine.request_checks import admit, model_not_found, parse, prompt_ids
+from servefleet.engine.request_checks import (
+    admit,
+    model_not_found,
+    parse,
+    prompt_ids,
+    resolve_model,
+)
 from servefleet.text.messages import template_messages
 
 if TYPE_CHECKING:
     from servefleet.engine.serving_state import ServingState
 
 
-def model_card(state: ServingState) -> dict[str, Any]:
-    return {
-        "id": state.served_model_name,
-        "object": "model",
-        "created": int(state.started_at),
-        "owned_by": "servefleet",
-        "max_model_len": state.max_model_len,
-    }
-
-
 def add_extra_routes(app: FastAPI, state: ServingState) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str) -> dict[str, Any]:
-        if model_id != state.served_model_name:
-            raise model_not_found(model_id)
-        return model_card(state)
+        for card in model_cards(state):
+            if card["id"] == model_id:
+                return card
+        raise model_not_found(model_id)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -114,7 +112,11 @@ def _add_embeddings_route(app: FastAPI, state: ServingState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
         body = await parse(request, EmbeddingRequest)
-        admit(state, body.model)
+        if admit(state, body.model) is not None:
+            raise OpenAIError(
+                status=400, message="model: embeddings come from the base model, not an adapter",
+                param="model",
+            )  # fmt: skip
         inputs = body.inputs()
         size = check_inputs_fit(state, inputs, "input")
         prompts = await state.preparer.run(
@@ -153,8 +155,8 @@ def _embedding_ids(
 
 
 def _check_model(state: ServingState, model: str | None) -> None:
-    if model is not None and model != state.served_model_name:
-        raise model_not_found(model)
+    """The base model or an adapter: both tokenize alike."""
+    resolve_model(state, model)
 
 
 def _tokenize_bytes(state: ServingState, body: TokenizeRequest) -> int:

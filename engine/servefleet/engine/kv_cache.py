@@ -17,6 +17,12 @@ def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(seq: Sequence) -> int:
+    """The chain's start: an adapter's sequences start their own chain, so KV computed under
+    one adapter (or the base model) is never a prefix hit for another."""
+    return ROOT_HASH if seq.lora is None else hash((ROOT_HASH, seq.lora.identity))
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -41,7 +47,7 @@ class KVCacheManager:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= upto_tokens:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
             seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:

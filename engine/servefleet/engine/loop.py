@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servefleet.api.seeds import new_seed
+from servefleet.engine.lora.adapter import LoraAdapter
+from servefleet.engine.lora.usage import AdapterUsage
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.engine.output_processor import OutputProcessor
 from servefleet.engine.runner import ModelRunner
@@ -42,6 +44,7 @@ class EngineRequest:
     n: int = 1
     arrival_time: float = field(default_factory=time.monotonic)
     resume_token_ids: list[int] = field(default_factory=list)  # already delivered (n == 1)
+    lora: LoraAdapter | None = None  # the adapter it asked for (held by the caller)
 
 
 @dataclass
@@ -125,6 +128,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._tracked: dict[int, _Tracked] = {}  # seq_id -> state, engine thread only
         self._by_request: dict[str, list[Sequence]] = {}  # engine thread only
+        self.adapter_usage = AdapterUsage()  # what the adapter registry must not evict
         self.heartbeat = time.monotonic()
         self.in_step_since: float | None = None
         self.fatal_error: BaseException | None = None
@@ -255,7 +259,7 @@ class Engine:
                     if not seq.is_finished:
                         self.scheduler.abort(seq)
                         self._record_finish(seq)
-                    self._tracked.pop(seq.seq_id, None)
+                    self._untrack(seq)
 
     def _add(self, request: EngineRequest, sink: _RequestSink) -> None:
         seqs = []
@@ -273,12 +277,14 @@ class Engine:
                 priority=request.priority,
                 request_id=request.request_id,
                 output_token_ids=list(request.resume_token_ids),
+                lora=request.lora,
             )
             self._tracked[seq.seq_id] = _Tracked(
                 seq, index, sink, OutputProcessor(self.tokenizer, seq)
             )
             self.scheduler.add(seq)
             seqs.append(seq)
+            self.adapter_usage.add(seq.lora)
         self._by_request[request.request_id] = seqs
 
     def _step(self) -> None:
@@ -342,12 +348,14 @@ class Engine:
                 m.itl.observe(now - tracked.last_token_time)
             tracked.last_token_time = now
             m.generation_tokens.inc(len(tokens))
+            if seq.lora is not None:
+                m.lora.tokens(seq.lora.name, len(tokens))
             done = seq.is_finished
             if done:
                 text += tracked.processor.finish()
                 self._record_finish(seq)
                 m.e2e.observe(now - seq.arrival_time)
-                self._tracked.pop(seq.seq_id, None)
+                self._untrack(seq)
                 siblings = self._by_request.get(seq.request_id, [])
                 if all(s.is_finished for s in siblings):
                     self._by_request.pop(seq.request_id, None)
@@ -371,6 +379,10 @@ class Engine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_dispatch, items)
 
+    def _untrack(self, seq: Sequence) -> None:
+        if self._tracked.pop(seq.seq_id, None) is not None:
+            self.adapter_usage.remove(seq.lora)
+
     def _record_finish(self, seq: Sequence) -> None:
         self.metrics.finished(seq.finish_reason.value if seq.finish_reason else "unknown")
 
@@ -381,6 +393,7 @@ class Engine:
                 self.scheduler.abort(tracked.seq)
         self._tracked.clear()
         self._by_request.clear()
+        self.adapter_usage.clear()
         for sink in sinks:
             if not sink.loop.is_closed():
                 sink.loop.call_soon_threadsafe(sink.queue.put_nowait, error)

@@ -29,6 +29,7 @@ from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode
 from servefleet.engine.kv_budget import MIN_BLOCKS, kv_cache_blocks
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.loop import Engine
+from servefleet.engine.lora.setup import build_lora_registry
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.kv_layout import allocate_kv_cache, kv_bytes_per_block
@@ -289,6 +290,7 @@ def build_engine(
         max_queue_depth=config.max_queue_depth,
         tool_call_parser=config.tool_call_parser,
         prepare_timeout_s=config.prepare_timeout,
+        loras=build_lora_registry(config, loaded, engine) if config.enable_lora else None,
     )
     return BuiltEngine(engine, state, loaded, kv)
 

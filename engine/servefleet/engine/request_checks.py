@@ -21,6 +21,7 @@ from servefleet.api.openai_wire import MAX_BODY_BYTES, parse_request
 from servefleet.api.stream_resume import RESUME_TOKEN_IDS
 
 if TYPE_CHECKING:
+    from servefleet.engine.lora.adapter import LoraAdapter
     from servefleet.engine.serving_state import ServingState
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -60,10 +61,13 @@ async def parse(request: Request, model: type[BodyT]) -> BodyT:
     return body
 
 
-def admit(state: ServingState, model: str | None, sequences: int = 1, param: str = "n") -> None:
-    """Ready, the right model, healthy and room in the queue for `sequences` more (n per
+def admit(
+    state: ServingState, model: str | None, sequences: int = 1, param: str = "n"
+) -> LoraAdapter | None:
+    """Ready, a model it serves, healthy and room in the queue for `sequences` more (n per
     prompt); else 503/404 at once, and a 400 naming `param` for a request bigger than the
-    whole queue (300 prompts x n=16 once queued 4,788 sequences past a depth of 256)."""
+    whole queue (300 prompts x n=16 once queued 4,788 sequences past a depth of 256).
+    Returns the adapter the request runs under (None: the base model)."""
     if state.draining or not state.ready:
         raise OpenAIError(
             status=503,
@@ -71,8 +75,7 @@ def admit(state: ServingState, model: str | None, sequences: int = 1, param: str
             type="service_unavailable",
             headers={"Retry-After": "5"},
         )
-    if model is not None and model != state.served_model_name:
-        raise model_not_found(model)
+    adapter = resolve_model(state, model)
     ok, reason = state.engine.is_healthy()
     if not ok:
         raise OpenAIError(
@@ -88,6 +91,20 @@ def admit(state: ServingState, model: str | None, sequences: int = 1, param: str
             code="too_many_sequences",
         )
     check_room(state, sequences)
+    if adapter is not None:
+        state.engine.metrics.lora.request(adapter.name)
+    return adapter
+
+
+def resolve_model(state: ServingState, model: str | None) -> LoraAdapter | None:
+    """The adapter `model` names, None for the base model; 404 for anything else, the same
+    answer whether a name was never loaded or was evicted (vLLM's)."""
+    if model is None or model == state.served_model_name:
+        return None
+    adapter = state.loras.resolve(model) if state.loras is not None else None
+    if adapter is None:
+        raise model_not_found(model)
+    return adapter
 
 
 def check_room(state: ServingState, sequences: int = 1) -> None:

@@ -48,6 +48,11 @@ def _merge(steps: list[list[SequenceOutput]], n: int) -> list[dict[str, Any]]:
     return choices
 
 
+def served_name(state: ServingState, req: EngineRequest) -> str:
+    """The model a response names: the adapter it ran under, else the base model."""
+    return req.lora.name if req.lora is not None else state.served_model_name
+
+
 def _chat_logprobs(tokenizer: Tokenizer, items: list[TokenLogprobs]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token_id], skip_special_tokens=False)
@@ -97,7 +102,7 @@ def chat_response(
         "id": req.request_id,
         "object": "chat.completion",
         "created": now(),
-        "model": state.served_model_name,
+        "model": served_name(state, req),
         "choices": [
             {
                 "index": i,
@@ -145,7 +150,7 @@ def completion_response(
         "id": reqs[0].request_id,
         "object": "text_completion",
         "created": now(),
-        "model": state.served_model_name,
+        "model": served_name(state, reqs[0]),
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached),
     }
@@ -245,7 +250,7 @@ def stream_response(
             "id": request_id,
             "object": obj,
             "created": created,
-            "model": state.served_model_name,
+            "model": served_name(state, reqs[0]),
             "choices": choices,
         }
         payload.update(extra)

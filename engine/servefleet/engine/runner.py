@@ -15,8 +15,10 @@ from typing import Protocol
 import torch
 
 from servefleet.engine.attention import AttentionMetadata, PrefillSpan
+from servefleet.engine.lora.adapter import LoraAdapter
+from servefleet.engine.lora.batch import LoraBatch
 from servefleet.engine.sampler import TokenLogprobs, sample
-from servefleet.engine.scheduler import SchedulerOutput
+from servefleet.engine.scheduler import ScheduledChunk, SchedulerOutput
 from servefleet.engine.sequence import Sequence
 from servefleet.engine.spec.verify import verify_drafts
 
@@ -43,6 +45,11 @@ class StepResult:
         return {s.seq_id: t for s, t in zip(self.sampled_seqs, self.token_ids, strict=True)}
 
 
+def _by_adapter(chunk: ScheduledChunk) -> tuple[bool, int]:
+    lora = chunk.seq.lora
+    return (lora is not None, id(lora))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -63,13 +70,20 @@ class ModelRunner:
     def build_inputs(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat input ids, positions, attention metadata and the rows whose logits are needed."""
+        """Flat input ids, positions, attention metadata and the rows whose logits are needed.
+
+        Decodes under adapters are put next to those under the same adapter (the order of
+        `out.decodes` is the order of the step's rows and results), so each adapter's decode
+        rows are one run of the batch: sliced, not gathered and scattered back."""
+        if any(chunk.seq.lora is not None for chunk in out.decodes):
+            out.decodes.sort(key=_by_adapter)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
         decode_tables: list[list[int]] = []
         context_lens: list[int] = []
+        row_adapters: list[LoraAdapter | None] = []
         for chunk in out.decodes:
             seq, start = chunk.seq, chunk.num_computed_before
             rows = 1 + len(chunk.draft_token_ids)
@@ -81,6 +95,7 @@ class ModelRunner:
             slots.extend(self._slots(seq, start, rows))
             decode_tables.extend([seq.block_table] * rows)
             context_lens.extend(range(start + 1, start + rows + 1))
+            row_adapters.extend([seq.lora] * rows)
         prefills: list[PrefillSpan] = []
         for chunk in out.prefills:
             seq, start, count = chunk.seq, chunk.num_computed_before, chunk.num_new_tokens
@@ -94,11 +109,13 @@ class ModelRunner:
             )
             if chunk.samples:
                 logit_rows.append(row0 + count - 1)
+            row_adapters.extend([seq.lora] * count)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             block_size=self.block_size,
             num_decodes=len(decode_tables),
             prefills=prefills,
+            lora=LoraBatch.for_rows(row_adapters, self.device),
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)

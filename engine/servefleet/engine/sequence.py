@@ -17,6 +17,8 @@ from servefleet.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from servefleet.engine.lora.adapter import LoraAdapter
+
 _ids = itertools.count()
 
 
@@ -58,6 +60,7 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     grammar: GrammarMatcher | None = None  # where a structured output stands; None: free
+    lora: LoraAdapter | None = None  # the adapter it runs under; None: the base model
 
     def __post_init__(self) -> None:
         # A resumed request's delivered tokens (`servefleet.api.stream_resume`) are already

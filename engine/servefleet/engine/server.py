@@ -24,8 +24,10 @@ from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from servefleet.api.openai_wire import HeaderLimit
 from servefleet.engine.api_key import ApiKeyMiddleware
-from servefleet.engine.extra_routes import add_extra_routes, model_card
+from servefleet.engine.extra_routes import add_extra_routes
 from servefleet.engine.loop import EngineDeadError, EngineRequest, SequenceOutput
+from servefleet.engine.lora.adapter import LoraAdapter
+from servefleet.engine.lora_routes import add_lora_routes, model_cards
 from servefleet.engine.preparation import (
     Prepared,
     check_chat,
@@ -56,6 +58,7 @@ def build_app(state: ServingState) -> FastAPI:
     _add_probe_routes(app, state)
     _add_generation_routes(app, state)
     add_extra_routes(app, state)
+    add_lora_routes(app, state)
     app.add_middleware(HeaderLimit)
     return app
 
@@ -133,7 +136,7 @@ def _add_probe_routes(app: FastAPI, state: ServingState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(state)]}
+        return {"object": "list", "data": model_cards(state)}
 
 
 def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
@@ -141,7 +144,7 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
     async def chat(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
         request_id = new_id("chatcmpl")
-        admit(state, body.model, body.n)
+        adapter = admit(state, body.model, body.n)
         inline = check_chat(state, body)  # messages that cannot fit: refused before the template
         prepared = await state.preparer.run(
             lambda budget: prepare_chat(state, body, budget),
@@ -150,7 +153,9 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
             inline=inline,
         )
         check_room(state, body.n)  # the queue may have filled while this was prepared
-        (engine_request,) = _engine_requests(state, body, prepared, body.num_logprobs, request_id)
+        (engine_request,) = _engine_requests(
+            state, body, prepared, body.num_logprobs, request_id, adapter
+        )
         if body.stream:
             return stream_response(state, [engine_request], body, chat=True)
         outputs = await _collect(request, state, [engine_request])
@@ -161,7 +166,7 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
         body = await parse(request, CompletionRequest)
         request_id = new_id("cmpl")
         sequences = body.n * len(body.prompts())
-        admit(state, body.model, sequences, "n" if len(body.prompts()) == 1 else "prompt")
+        adapter = admit(state, body.model, sequences, "n" if len(body.prompts()) == 1 else "prompt")
         inline = check_completion(state, body)  # prompts that cannot fit: refused untokenized
         prepared = await state.preparer.run(
             lambda budget: prepare_completion(state, body, budget),
@@ -170,7 +175,9 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
             inline=inline,
         )
         check_room(state, sequences)
-        engine_requests = _engine_requests(state, body, prepared, body.logprobs, request_id)
+        engine_requests = _engine_requests(
+            state, body, prepared, body.logprobs, request_id, adapter
+        )
         if body.stream:
             return stream_response(state, engine_requests, body, chat=False)
         outputs = await _collect(request, state, engine_requests)
@@ -190,6 +197,7 @@ def _engine_requests(
     prepared: Prepared,
     logprobs: int | None,
     request_id: str,
+    adapter: LoraAdapter | None,
 ) -> list[EngineRequest]:
     """One engine request per prompt: the first keeps the request's id (its logs name it)."""
     requests = []
@@ -203,6 +211,7 @@ def _engine_requests(
                 priority=priority_value(body),
                 n=body.n,
                 resume_token_ids=resume_ids(state, body, prompt.max_tokens),
+                lora=adapter,
             )
         )
     return requests

@@ -15,6 +15,7 @@ from typing import Any
 from servefleet.api.engine_flags import engine_flag
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.engine.loop import Engine
+from servefleet.engine.lora.registry import LoraRegistry
 from servefleet.engine.prepare_pool import Preparer
 from servefleet.engine.structured.service import StructuredOutputs
 from servefleet.text.chat_template import ChatTemplate, ChatTemplateError
@@ -38,6 +39,7 @@ class ServingState:
     started_at: float = field(default_factory=time.time)
     api_key: str | None = field(default=None, repr=False)  # --api-key: all but probes need it
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
+    loras: LoraRegistry | None = None  # --enable-lora: the adapters served beside the model
     # --prepare-timeout: one request's preparation budget
     prepare_timeout_s: float = engine_flag("prepare_timeout").default  # type: ignore[assignment]
 

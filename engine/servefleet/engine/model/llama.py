@@ -36,9 +36,14 @@ def _weight(*shape: int, factory: dict[str, Any], fill: float | None = None) -> 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, attn_impl: PagedAttention, factory: dict[str, Any]
+        self,
+        config: ModelConfig,
+        attn_impl: PagedAttention,
+        factory: dict[str, Any],
+        index: int = 0,
     ) -> None:
         super().__init__()
+        self.index = index  # which layer of an adapter's weights apply here
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -70,6 +75,19 @@ class DecoderLayer(nn.Module):
         packed = self.packed.get(name)
         return packed if packed is not None else getattr(self, name)
 
+    def _mm(
+        self,
+        x: torch.Tensor,
+        name: str,
+        meta: AttentionMetadata,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x @ W (+ bias), plus the step's adapters' low-rank products on their rows."""
+        out = self.matmul.mm(x, self.projection(name), bias)
+        if meta.lora is not None:
+            meta.lora.add(self.index, name, x, out)
+        return out
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -81,7 +99,7 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.rms_norm(hidden, self.input_norm.shape, self.input_norm, self.eps)
-        qkv = self.matmul.mm(x, self.projection("qkv_weight"), self.qkv_bias)
+        qkv = self._mm(x, "qkv_weight", meta, self.qkv_bias)
         qk = qkv[:, : (heads + kv_heads) * hd].view(num_tokens, heads + kv_heads, hd)
         v = qkv[:, (heads + kv_heads) * hd :].view(num_tokens, kv_heads, hd)
         half = hd // 2
@@ -90,14 +108,12 @@ class DecoderLayer(nn.Module):
         attn = self.attn_impl(
             qk[:, :heads], qk[:, heads:], v, kv_cache[0], kv_cache[1], meta, self.scale
         )
-        attn_out = self.matmul.mm(
-            attn.reshape(num_tokens, heads * hd), self.projection("o_weight"), self.o_bias
-        )
+        attn_out = self._mm(attn.reshape(num_tokens, heads * hd), "o_weight", meta, self.o_bias)
         hidden = hidden + attn_out
         x = F.rms_norm(hidden, self.post_attn_norm.shape, self.post_attn_norm, self.eps)
-        gate_up = self.matmul.mm(x, self.projection("gate_up_weight"))
+        gate_up = self._mm(x, "gate_up_weight", meta)
         gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + self.matmul.mm(F.silu(gate) * up, self.projection("down_weight"))
+        return hidden + self._mm(F.silu(gate) * up, "down_weight", meta)
 
     def forward_fused(
         self,
@@ -114,7 +130,7 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
-        qkv = self.matmul.mm(x, self.projection("qkv_weight"), self.qkv_bias)
+        qkv = self._mm(x, "qkv_weight", meta, self.qkv_bias)
         if not qkv.is_contiguous():  # rope_kv_unchecked writes through raw pointers
             qkv = qkv.contiguous()
         ops.rope_kv_unchecked(  # the model checked the step's tensors once (forward)
@@ -123,13 +139,11 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         q = qkv[:, : heads * hd].view(num_tokens, heads, hd)
         attn = self.attn_impl.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        attn_out = self.matmul.mm(
-            attn.reshape(num_tokens, heads * hd), self.projection("o_weight"), self.o_bias
-        )
+        attn_out = self._mm(attn.reshape(num_tokens, heads * hd), "o_weight", meta, self.o_bias)
         x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
-        gate_up = self.matmul.mm(x, self.projection("gate_up_weight"))
+        gate_up = self._mm(x, "gate_up_weight", meta)
         act = ops.silu_mul(gate_up)
-        return hidden, self.matmul.mm(act, self.projection("down_weight"))
+        return hidden, self._mm(act, "down_weight", meta)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
         vocab, hidden = config.vocab_size, config.hidden_size
         self.embed_tokens = _weight(vocab, hidden, factory=factory)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.attn_impl, factory) for _ in range(config.num_layers)
+            DecoderLayer(config, self.attn_impl, factory, index)
+            for index in range(config.num_layers)
         )
         self.norm = _weight(hidden, factory=factory, fill=1.0)
         self.lm_head = (
@@ -253,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         matmul, kernel = self.matmul, self.attn_impl.decode_kernel
         if (
             not self.one_call_decode
+            or meta.lora is not None  # the C program knows no adapters
             or meta.prefills
             or meta.num_decodes != rows
             or not isinstance(matmul, SmallRowsMatmul)

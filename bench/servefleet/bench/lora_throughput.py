@@ -1,0 +1,188 @@
+"""LoRA throughput: c=16 with 1, 4, 8 and 16 distinct adapters in the mix against the base
+model alone, one engine, same prompts, same run (goal: >= 0.8x the base with 8 adapters).
+
+Real PEFT adapters are made first (`make_adapters.random_adapter`, rank `--rank`, all seven
+projections) and loaded through vLLM's `/v1/load_lora_adapter`; request i of a mix of k
+adapters names adapter i mod k. Each mix runs the same completions (random-word prompts of
+`--input-words`, `--output-tokens` tokens each, ignore_eos). Also measured: an adapter's load
+time through the endpoint. Writes JSON and a PNG, with the CPU's flags.
+
+    uv run python -m servefleet.bench.lora_throughput                       # ~5 minutes here
+    SERVEFLEET_MATMUL_ISA=avx2 uv run python -m servefleet.bench.lora_throughput
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from servefleet.bench.engine_process import EngineProcess, thread_env
+
+MIXES = (0, 1, 4, 8, 16)  # distinct adapters in the mix; 0: the base model alone
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=32, help="per mix")
+    p.add_argument("--input-words", type=int, default=100)
+    p.add_argument("--output-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the engine")
+    p.add_argument("--adapters", type=Path, default=Path("bench/results/lora_adapters"))
+    p.add_argument("--out", type=Path, default=Path("bench/results/lora_throughput.json"))
+    return p.parse_args(argv)
+
+
+def make_adapters(root: Path, count: int, rank: int) -> list[Path]:
+    """Random PEFT adapters (reused when present: they take seconds each to make)."""
+    from servefleet.bench.make_adapters import random_adapter
+
+    paths = []
+    for index in range(count):
+        directory = root / f"r{rank}-{index}"
+        if not (directory / "adapter_model.safetensors").is_file():
+            random_adapter(directory, seed=1000 + index, rank=rank)
+        paths.append(directory.resolve())
+    return paths
+
+
+def prompts(count: int, words: int) -> list[str]:
+    rng = random.Random(7)
+    vocab = [
+        "river",
+        "stone",
+        "light",
+        "paper",
+        "window",
+        "garden",
+        "music",
+        "silver",
+        "orange",
+        "cloud",
+        "table",
+    ]
+    return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(count)]
+
+
+async def run_mix(
+    url: str, models: list[str], texts: list[str], concurrency: int, output_tokens: int
+) -> dict[str, Any]:
+    """All `texts` as completions, request i under models[i % len(models)], `concurrency`
+    at a time; output tokens per second over the whole mix."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(texts)):
+        queue.put_nowait(index)
+    tokens, failed = 0, 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal tokens, failed
+        while not queue.empty():
+            index = queue.get_nowait()
+            body = {"model": models[index % len(models)], "prompt": texts[index],
+                    "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0}  # fmt: skip
+            response = await client.post(f"{url}/v1/completions", json=body, timeout=900)
+            if response.status_code != 200:
+                failed += 1
+                continue
+            tokens += response.json()["usage"]["completion_tokens"]
+
+    started = time.monotonic()
+    async with httpx.AsyncClient() as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    seconds = time.monotonic() - started
+    return {"output_tokens": tokens, "seconds": seconds, "output_tps": tokens / seconds,
+            "failed": failed}  # fmt: skip
+
+
+def load_all(url: str, paths: list[Path]) -> list[float]:
+    """Load every adapter through the endpoint; seconds per load."""
+    seconds = []
+    for index, path in enumerate(paths):
+        started = time.monotonic()
+        response = httpx.post(
+            f"{url}/v1/load_lora_adapter",
+            json={"lora_name": f"lora-{index}", "lora_path": str(path)},
+            timeout=300,
+        )
+        response.raise_for_status()
+        seconds.append(time.monotonic() - started)
+    return seconds
+
+
+def measure(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
+    log = args.out.with_name(f"{args.out.stem}.engine.log")
+    flags = ["--enable-lora", "--max-loras", str(max(MIXES)), "--max-lora-rank", str(args.rank),
+             "--max-num-seqs", str(args.concurrency)]  # fmt: skip
+    texts = prompts(args.requests, args.input_words)
+    with EngineProcess(args.model, log, flags, env=thread_env(args.threads)) as engine:
+        url = engine.base_url
+        load_seconds = load_all(url, paths)
+        warm = texts[: args.concurrency]
+        asyncio.run(run_mix(url, [args.model], warm, args.concurrency, 4))
+        mixes = {}
+        for count in MIXES:
+            models = [f"lora-{i}" for i in range(count)] or [args.model]
+            mixes[str(count)] = asyncio.run(
+                run_mix(url, models, texts, args.concurrency, args.output_tokens)
+            )
+    return {"load_seconds": load_seconds, "mixes": mixes}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mixes = result["mixes"]
+    labels = ["base" if k == "0" else f"{k} adapters" for k in mixes]
+    values = [m["output_tps"] for m in mixes.values()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, values, color=["#777"] + ["#3a7"] * (len(values) - 1))
+    ax.set_ylabel("output tokens/s (c=16)")
+    ax.set_title(f"LoRA mixes vs the base model, rank {result['rank']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+
+    ensure_safe_cpu_isa()
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    paths = make_adapters(args.adapters, max(MIXES), args.rank)
+    measured = measure(args, paths)
+    base = measured["mixes"]["0"]["output_tps"]
+    result = {
+        "benchmark": "lora_throughput",
+        "model": args.model,
+        "rank": args.rank,
+        "concurrency": args.concurrency,
+        "requests_per_mix": args.requests,
+        "matmul_isa": os.environ.get("SERVEFLEET_MATMUL_ISA", "auto"),
+        "cpu_flags": sorted(cpu_flags()),
+        "ratio_to_base": {k: m["output_tps"] / base for k, m in measured["mixes"].items()},
+        **measured,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in result.items() if k != "cpu_flags"}, indent=2))
+    failed = sum(m["failed"] for m in measured["mixes"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
