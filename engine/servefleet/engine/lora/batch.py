@@ -4,7 +4,7 @@ The base matmul runs once for every row; then, per adapter in the step, its rows
 product is added to theirs (the grouped form of Punica's and S-LoRA's segmented gather:
 rows of one adapter are gathered, multiplied by its A and B, and scattered back). A run of
 consecutive rows is sliced rather than gathered, which is the common case: a prompt chunk is
-one run, and the runner lays decode rows out in sequence order.
+one run, and the runner puts each adapter's decode rows side by side.
 """
 
 from __future__ import annotations
