@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from servefleet.api.lora import LoraConfigError, PeftLoraConfig
 from servefleet.engine.lora.adapter import LoraAdapter, load_adapter
+from servefleet.engine.lora.batch import LoraBatch
 from servefleet.engine.lora.registry import AdapterNotFound, AdapterSlotsBusy, LoraRegistry
 from servefleet.engine.model.config import ModelConfig
 
@@ -165,3 +166,11 @@ def test_a_file_that_is_not_safetensors_is_refused(tmp_path: Path) -> None:
     (directory / "adapter_config.json").write_text("{not json")
     with pytest.raises(LoraConfigError, match="is not JSON"):
         load_adapter("x", directory, TINY, max_rank=8)
+
+
+def test_a_steps_spans_group_into_one_slice_or_one_index_per_adapter() -> None:
+    a, b = fake_adapter("a", Path("/a")), fake_adapter("b", Path("/b"))
+    batch = LoraBatch.for_spans([(a, 0, 2), (a, 2, 1), (b, 3, 1), (b, 10, 4)], "cpu")
+    rows = {g.adapter.name: g.rows for g in batch.groups}
+    assert rows["a"] == slice(0, 3)  # adjacent spans: one run
+    assert isinstance(rows["b"], torch.Tensor) and rows["b"].tolist() == [3, 10, 11, 12, 13]

@@ -83,10 +83,12 @@ class ModelRunner:
         logit_rows: list[int] = []
         decode_tables: list[list[int]] = []
         context_lens: list[int] = []
-        row_adapters: list[LoraAdapter | None] = []
+        lora_spans: list[tuple[LoraAdapter, int, int]] = []  # (adapter, first row, rows)
         for chunk in out.decodes:
             seq, start = chunk.seq, chunk.num_computed_before
             rows = 1 + len(chunk.draft_token_ids)
+            if seq.lora is not None:
+                lora_spans.append((seq.lora, len(input_ids), rows))
             if chunk.samples:  # a one-token prompt chunk short of the prompt's end does not
                 logit_rows.extend(range(len(input_ids), len(input_ids) + rows))
             input_ids.append(seq.token_ids[start])
@@ -95,11 +97,12 @@ class ModelRunner:
             slots.extend(self._slots(seq, start, rows))
             decode_tables.extend([seq.block_table] * rows)
             context_lens.extend(range(start + 1, start + rows + 1))
-            row_adapters.extend([seq.lora] * rows)
         prefills: list[PrefillSpan] = []
         for chunk in out.prefills:
             seq, start, count = chunk.seq, chunk.num_computed_before, chunk.num_new_tokens
             row0 = len(input_ids)
+            if seq.lora is not None:
+                lora_spans.append((seq.lora, row0, count))
             input_ids.extend(seq.token_ids[start : start + count])
             positions.extend(range(start, start + count))
             slots.extend(self._slots(seq, start, count))
@@ -109,13 +112,12 @@ class ModelRunner:
             )
             if chunk.samples:
                 logit_rows.append(row0 + count - 1)
-            row_adapters.extend([seq.lora] * count)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             block_size=self.block_size,
             num_decodes=len(decode_tables),
             prefills=prefills,
-            lora=LoraBatch.for_rows(row_adapters, self.device),
+            lora=LoraBatch.for_spans(lora_spans, self.device) if lora_spans else None,
         )
         if decode_tables:
             width = max(len(t) for t in decode_tables)

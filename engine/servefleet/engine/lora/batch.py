@@ -30,22 +30,24 @@ class LoraBatch:
     groups: tuple[LoraGroup, ...]
 
     @staticmethod
-    def for_rows(
-        row_adapters: Sequence[LoraAdapter | None], device: torch.device | str
-    ) -> LoraBatch | None:
-        """Group a step's rows by adapter; None when no row has one (the base path)."""
-        by_adapter: dict[int, tuple[LoraAdapter, list[int]]] = {}
-        for row, adapter in enumerate(row_adapters):
-            if adapter is not None:
-                by_adapter.setdefault(id(adapter), (adapter, []))[1].append(row)
-        if not by_adapter:
-            return None
-        groups = []
-        for adapter, rows in by_adapter.values():
-            if rows[-1] - rows[0] + 1 == len(rows):
-                groups.append(LoraGroup(adapter, slice(rows[0], rows[-1] + 1)))
+    def for_spans(
+        spans: Sequence[tuple[LoraAdapter, int, int]], device: torch.device | str
+    ) -> LoraBatch:
+        """Group a step's (adapter, first row, rows) spans by adapter; the rows without an
+        adapter run on the base model alone."""
+        by_adapter: dict[int, tuple[LoraAdapter, list[tuple[int, int]]]] = {}
+        for adapter, first, rows in spans:
+            runs = by_adapter.setdefault(id(adapter), (adapter, []))[1]
+            if runs and runs[-1][1] == first:  # adjacent to the previous span: one run
+                runs[-1] = (runs[-1][0], first + rows)
             else:
-                index = torch.tensor(rows, dtype=torch.long, device=device)
+                runs.append((first, first + rows))
+        groups = []
+        for adapter, runs in by_adapter.values():
+            if len(runs) == 1:
+                groups.append(LoraGroup(adapter, slice(*runs[0])))
+            else:
+                index = torch.cat([torch.arange(a, b) for a, b in runs]).to(device)
                 groups.append(LoraGroup(adapter, index))
         return LoraBatch(tuple(groups))
 
