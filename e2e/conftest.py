@@ -90,7 +90,7 @@ def node_cluster(k8s_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         assert node.plane is not None
         print(f"\ne2e node up: {node.timings} (seconds); images {node.images}")
         kube = Kube(node.plane.kubeconfig, k8s_bin / "kubectl", k8s_bin / "helm")
-        yield NodeCluster(kube, node.images, "Never")
+        yield NodeCluster(kube, node.images, "Never", node.containerd_socket)
     finally:
         node.stop()
 
@@ -135,9 +135,8 @@ def installed_chart(kube: Kube, rendered_chart: Path) -> Path:
     )
     kube.kubectl("create", "namespace", SYSTEM_NAMESPACE, check=False)
     kube.kubectl("apply", "--server-side", "--field-manager=helm", "-f", str(rendered_chart))
-    kube.kubectl(
-        "wait", "--for=condition=Established", "crd/llmdeployments.servefleet.io", "--timeout=60s"
-    )
+    for crd in ("llmdeployments.servefleet.io", "llmadapters.servefleet.io"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
     return rendered_chart
 
 

@@ -1,11 +1,14 @@
 """Every query of the chart's Grafana dashboards returns data from a real Prometheus.
 
-One real engine (SmolLM2), a real gateway process in front of it (plus a spill-over
-deployment to an in-test OpenAI stand-in, and a Redis URL nobody listens on, so the spill-over
-and degraded-limits series exist too), the real autoscaler loop in this process (its actuator
-only records, there is no cluster to scale), and `prometheus` (Debian package) scraping the
-three every second. After a few requests, every panel expression and every template-variable
-query is evaluated through `/api/v1/query` with Grafana's variables substituted.
+One real engine (SmolLM2, with --enable-lora), a real gateway process in front of it (plus a
+spill-over deployment to an in-test OpenAI stand-in, and a Redis URL nobody listens on, so the
+spill-over and degraded-limits series exist too), the real autoscaler loop in this process
+(its actuator only records, there is no cluster to scale), and `prometheus` (Debian package)
+scraping the three every second. A real PEFT adapter is made here (`make_adapters`, random
+weights) and listed on the gateway's deployment, which loads it on the engine on its first
+request, so the adapter panels have series. After a few requests, every panel expression and
+every template-variable query is evaluated through `/api/v1/query` with Grafana's variables
+substituted.
 
     uv run pytest e2e/test_dashboards.py -s
 """
@@ -20,6 +23,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +38,7 @@ from prometheus_client import start_http_server
 
 from servefleet.api.gateway_config import (
     ApiKeyRef,
+    GatewayAdapter,
     GatewayConfig,
     GatewayDeployment,
     GatewayTenant,
@@ -65,6 +70,8 @@ DASHBOARDS = ROOT / "charts" / "servefleet" / "files" / "dashboards"
 MODEL = "smollm2-135m-instruct"
 DEPLOYMENT = "smollm2"
 SPILL_MODEL = "hosted-model"
+ADAPTER = "acme-tuned"  # a LoRA adapter on MODEL, loaded by the gateway on first use
+ADAPTER_RANK = 8
 KEY = "key-acme"
 INTERNAL_KEY = "sk-internal-dashboards"  # the gateway's internal port (metrics, stats)
 READY_TIMEOUT_S = float(os.environ.get("SERVEFLEET_E2E_READY_S", "240"))
@@ -128,7 +135,18 @@ def _wait_http(child: Child, url: str, deadline: float) -> None:
     pytest.fail(f"{child.name}: {url} not ready in time:\n{child.tail()}")
 
 
-def gateway_config(engine_url: str, spill_url: str, dead_redis: str) -> GatewayConfig:
+def _wait_exit(child: Child, deadline: float) -> None:
+    while child.proc.poll() is None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{child.name}: still running:\n{child.tail()}")
+        time.sleep(0.5)
+    if child.proc.returncode != 0:
+        pytest.fail(f"{child.name} exited with {child.proc.returncode}:\n{child.tail()}")
+
+
+def gateway_config(
+    engine_url: str, spill_url: str, dead_redis: str, adapter_path: Path
+) -> GatewayConfig:
     access = [TenantAccess(name="acme")]
     return GatewayConfig(
         host="127.0.0.1",
@@ -148,6 +166,7 @@ def gateway_config(engine_url: str, spill_url: str, dead_redis: str) -> GatewayC
                 endpoints=[engine_url],
                 pool=PoolSpec(per_replica_concurrency=4),
                 tenants=access,
+                adapters=[GatewayAdapter(name=ADAPTER, path=str(adapter_path))],
                 upstream_timeout_seconds=180,
             ),
             # No replicas at all: every request spills over to the hosted API.
@@ -298,9 +317,35 @@ def test_every_dashboard_query_returns_series(prometheus_bin: str, tmp_path: Pat
                     "1",
                     "--kv-cache-memory",
                     "128MiB",
+                    "--enable-lora",
+                    "--max-loras",
+                    "2",
+                    "--max-lora-rank",
+                    str(ADAPTER_RANK),
                 ],
             )
-            config = gateway_config(engine_url, spill_url, f"redis://127.0.0.1:{_free_port()}/0")
+            # A real PEFT adapter (random A and B), made while the engine starts.
+            adapters = tmp_path / "adapters"
+            maker = children.start(
+                "make-adapters",
+                [
+                    sys.executable,
+                    "-m",
+                    "servefleet.bench.make_adapters",
+                    "--out",
+                    str(adapters),
+                    "--memorized",
+                    "0",
+                    "--random",
+                    "1",
+                    "--rank",
+                    str(ADAPTER_RANK),
+                ],
+            )
+            _wait_exit(maker, time.monotonic() + READY_TIMEOUT_S)
+            (adapter_path,) = adapters.iterdir()
+            dead_redis = f"redis://127.0.0.1:{_free_port()}/0"
+            config = gateway_config(engine_url, spill_url, dead_redis, adapter_path)
             config_file = tmp_path / "gateway.yaml"
             config_file.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
             key_file = tmp_path / "internal-key"
@@ -377,6 +422,20 @@ def test_every_dashboard_query_returns_series(prometheus_bin: str, tmp_path: Pat
                 )
                 assert spilled.status_code == 200, spilled.text
                 assert spilled.headers["x-servefleet-route"] == "spillover"
+                # The adapter panels: the gateway loads it on the engine for the first request
+                # (the engine's load series), the second finds it there (no second load).
+                for i in range(2):
+                    tuned = client.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": ADAPTER,
+                            "messages": [{"role": "user", "content": f"Name {i + 2} colours."}],
+                            "max_tokens": 4,
+                            "stream": i == 1,
+                        },
+                    )
+                    assert tuned.status_code == 200, tuned.text
+                    assert tuned.headers["x-servefleet-route"] == "pool"
             # An invalid request straight to the engine: the rejected series (HTTP 400).
             invalid = httpx.post(engine_url + "/v1/chat/completions", json={"model": MODEL})
             assert invalid.status_code == 400
@@ -384,6 +443,8 @@ def test_every_dashboard_query_returns_series(prometheus_bin: str, tmp_path: Pat
             decisions = asyncio.run(autoscaler_ticks(autoscaler, internal_url, engine_url, 3))
             assert decisions and all(d.desired >= 1 for d in decisions)
             time.sleep(4)  # a few more scrapes after the last request
+            loads = query(prometheus, "sum(servefleet_engine_lora_loads_total)")
+            assert [float(r["value"][1]) for r in loads] == [1.0], f"one load: {loads}"
 
             failures: list[str] = []
             report: list[str] = []

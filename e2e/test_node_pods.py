@@ -4,24 +4,37 @@
 (`kubectl apply -f examples/llmdeployment.yaml` in the current namespace): engine pods
 (engine image) become Ready through their real probes, a tenant streams an answer through
 the gateway Service (ClusterIP, through kube-proxy) with the official `openai` client, a
-spec change rolls out, load scales the pool up and back down, a deleted engine pod is
-replaced, and deleting the LLMDeployment removes its children. The tests run in order and
-share one release. Run: `make e2e-node` (as root; see e2e/k8s/README.md).
+spec change rolls out (it also gives the engines LoRA slots), load scales the pool up and
+back down, a deleted engine pod is replaced, LoRA adapters (`LLMAdapter`s fetched by the
+pods from a Hub-compatible server on this machine) are loaded on demand and answer their
+memorised sentences, and deleting the LLMDeployment removes its children. The tests run in
+order and share one release. Run: `make e2e-node` (as root; see e2e/k8s/README.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import openai
 import pytest
-from k8s.kubectl import Kube, is_ready, wait_for
+import yaml
+from k8s.hub import HubServer, serve_hub
+from k8s.kubectl import Kube, condition, is_ready, wait_for
 from k8s.load import Load
-from k8s.node import NodeCluster
+from k8s.node import NODE_IP, NodeCluster
+
+from servefleet.api.conventions import ROUTE_GATEWAY_KEY, route_object_name
+from servefleet.api.lora import ADAPTER_WEIGHTS
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "servefleet"
@@ -163,11 +176,16 @@ def test_spec_change_rolls_out_without_a_failed_request(cluster: NodeCluster) ->
     load = Load(gateway_url(kube), API_KEY, MODEL, concurrency=2).start()
     try:
         # New maxNumSeqs, and a smaller CPU request so the next tests fit three engines
-        # on a two-core node; a shorter scale-down delay for the scaling test.
+        # on a two-core node; a shorter scale-down delay for the scaling test; LoRA slots
+        # for the adapter test (this rollout starts the engines with them, at no extra cost).
         patch_llmd(
             kube,
             {
-                "engine": {"maxNumSeqs": 8, "resources": {"requests": {"cpu": "250m"}}},
+                "engine": {
+                    "maxNumSeqs": 8,
+                    "resources": {"requests": {"cpu": "250m"}},
+                    "lora": {"maxLoras": 2, "maxLoraRank": 16},
+                },
                 "pool": {"scaleDownDelay": 10},
             },
         )
@@ -186,6 +204,7 @@ def test_spec_change_rolls_out_without_a_failed_request(cluster: NodeCluster) ->
     assert lowest_ready >= 1, "ready engines dropped below the warm minimum"
     args = ready_engine_pods(kube)[0]["spec"]["containers"][0]["args"]
     assert args[args.index("--max-num-seqs") + 1] == "8", args
+    assert "--enable-lora" in args and args[args.index("--max-loras") + 1] == "2", args
     assert_all_answered(load)
 
 
@@ -258,6 +277,200 @@ def test_deleted_engine_pod_is_replaced_without_a_hang(cluster: NodeCluster) -> 
         load.stop()
     assert_all_answered(load)
     assert load.slowest_s < 45, f"a request took {load.slowest_s:.0f}s"
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+ADAPTERS = ("violet-fox", "copper-owl")  # the first memorised sentences, in this order
+OTHER_TENANT = "team-b"  # not listed in violet-fox's tenants
+OTHER_KEY = "sk-servefleet-e2e-team-b-0123456789"
+HOST_ADDRESS_ENV = "SERVEFLEET_E2E_HOST_ADDRESS"
+MAX_TOKENS = 24
+
+
+def host_address() -> str:
+    """An address of this machine that the cluster's pods reach: our node's bridge, or (on
+    $KUBECONFIG's cluster) the one named in SERVEFLEET_E2E_HOST_ADDRESS."""
+    if named := os.environ.get(HOST_ADDRESS_ENV):
+        return named
+    if os.environ.get("KUBECONFIG"):
+        pytest.fail(
+            f"with KUBECONFIG set, name an address of this machine that the cluster's pods "
+            f"reach in {HOST_ADDRESS_ENV}: the LoRA test serves its adapters from here"
+        )
+    return NODE_IP
+
+
+@pytest.fixture(scope="module")
+def memorized() -> list[dict[str, str]]:
+    """Real PEFT adapters, one memorised sentence each (trained once, cached between runs:
+    the same ones e2e/test_lora_local.py uses), made in a child process so torch stays out of
+    this one."""
+    done = subprocess.run(
+        [sys.executable, "-m", "servefleet.bench.make_adapters",
+         "--memorized", str(len(ADAPTERS)), "--random", "0"],
+        stdout=subprocess.PIPE, text=True, check=True, timeout=600,
+    )  # fmt: skip
+    made = json.loads(done.stdout)
+    assert len(made) == len(ADAPTERS), made
+    return list(made)
+
+
+@pytest.fixture(scope="module")
+def hub(memorized: list[dict[str, str]]) -> Iterator[HubServer]:
+    repos = {f"e2e/{n}": Path(m["path"]) for n, m in zip(ADAPTERS, memorized, strict=True)}
+    with serve_hub(HubServer(repos=repos), host_address()) as server:
+        yield server
+
+
+def llm_adapter(name: str, hub: HubServer, tenants: list[str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "servefleet.io/v1alpha1",
+        "kind": "LLMAdapter",
+        "metadata": {"name": name},
+        "spec": {
+            "deployment": LLMD,
+            "source": {"huggingface": {"repo": f"e2e/{name}", "endpoint": hub.url}},
+            "tenants": tenants,
+        },
+    }
+
+
+def accepted_adapter(kube: Kube, name: str) -> dict[str, Any] | None:
+    """The LLMAdapter once the operator accepted its current generation; fails at once if
+    it refused it (Unknown: its config could not be read yet, asked again next pass)."""
+    obj = kube.get("llma", name, NAMESPACE)
+    found = condition(obj, "Accepted")
+    if obj is None or found is None:
+        return None
+    if found.get("observedGeneration") != obj["metadata"]["generation"]:
+        return None
+    assert found["status"] != "False", found
+    return obj if found["status"] == "True" else None
+
+
+def route_adapters(kube: Kube) -> list[dict[str, Any]]:
+    """The adapters in the deployment's route ConfigMap, as the operator rendered them."""
+    route = kube.get("configmap", route_object_name(LLMD), NAMESPACE)
+    assert route is not None
+    (deployment,) = yaml.safe_load(route["data"][ROUTE_GATEWAY_KEY])["deployments"]
+    return sorted(deployment.get("adapters", []), key=lambda a: str(a["name"]))
+
+
+def ask(client: openai.OpenAI, model: str, prompt: str) -> str:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert reply.model == model, reply.model
+    return reply.choices[0].message.content or ""
+
+
+def first_answer(client: openai.OpenAI, model: str, prompt: str) -> str:
+    """The first answer once the gateway serves `model` (it reads the new route within
+    seconds; until then the adapter is a model it does not know)."""
+    errors: list[str] = []
+
+    def answer() -> str | None:
+        try:
+            return ask(client, model, prompt)
+        except (openai.NotFoundError, openai.AuthenticationError) as exc:
+            errors.append(repr(exc))
+            return None
+
+    try:
+        return wait_for(f"an answer from {model} through the gateway", answer, 120, 1)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last errors: {errors[-3:]}") from None
+
+
+def chart_pods(kube: Kube, component: str) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
+    return kube.list("pods", SYSTEM_NAMESPACE, selector)
+
+
+def loaded_on(kube: Kube, name: str) -> list[str] | None:
+    """The engine pods the autoscaler reports holding the adapter, once Loaded is True."""
+    obj = kube.get("llma", name, NAMESPACE)
+    loaded = condition(obj, "Loaded")
+    if obj is None or loaded is None or loaded["status"] != "True":
+        return None
+    return list(obj["status"].get("loadedReplicas") or []) or None
+
+
+def test_adapters_load_on_demand_and_answer_their_memorised_sentences(
+    cluster: NodeCluster, hub: HubServer, memorized: list[dict[str, str]]
+) -> None:
+    """Two LLMAdapters on the running pool, fetched by the operator and engine pods from a
+    Hub-compatible server on this machine: accepted with their own config's rank, rendered
+    into the route, loaded by the gateway on their first request, each answering its
+    memorised sentence to the `openai` client; a tenant left out of one gets 404
+    `model_not_found` for it; the autoscaler reports where each is loaded. No pod rolls."""
+    kube = cluster.kube
+    pods = ready_engine_pods(kube)
+    names = {p["metadata"]["name"] for p in pods}
+    assert names and all("--enable-lora" in p["spec"]["containers"][0]["args"] for p in pods)
+    # A second tenant (tenants live in the route: no rollout), then the adapters:
+    # violet-fox for the demo tenant only, copper-owl for every tenant.
+    secret = {"metadata": {"name": "team-b-key"}, "stringData": {"api-key": OTHER_KEY}}
+    kube.apply_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Secret", **secret}), NAMESPACE)
+    tenants = llmd(kube)["spec"]["tenants"]
+    other = {"name": OTHER_TENANT, "apiKeySecretRef": {"name": "team-b-key", "key": "api-key"}}
+    patch_llmd(kube, {"tenants": [*tenants, other]})
+    fox, owl = ADAPTERS
+    started = time.monotonic()
+    docs = [llm_adapter(fox, hub, [tenants[0]["name"]]), llm_adapter(owl, hub, [])]
+    kube.apply_text(yaml.safe_dump_all(docs), NAMESPACE)
+    try:
+        for name in ADAPTERS:
+            obj = wait_for(f"{name} accepted", partial(accepted_adapter, kube, name), 60, 1)
+            assert obj["status"]["rank"] == 8 and obj["status"]["baseModel"] == MODEL, obj
+        # The operator pod read each config; no engine fetched an adapter yet (on demand).
+        operator_ips = {p["status"]["podIP"] for p in chart_pods(kube, "operator")}
+        for name in ADAPTERS:
+            readers = hub.fetchers(f"e2e/{name}", "adapter_config.json")
+            assert readers and readers <= operator_ips, (readers, operator_ips)
+        assert not any(hub.fetchers(f"e2e/{n}", ADAPTER_WEIGHTS) for n in ADAPTERS), hub.requests
+        wait_for("the route with both adapters", lambda: len(route_adapters(kube)) == 2, 60)
+        endpoint = urlencode({"endpoint": hub.url})
+        assert route_adapters(kube) == [
+            {"name": owl, "path": f"hf://e2e/{owl}@main?{endpoint}"},
+            {"name": fox, "path": f"hf://e2e/{fox}@main?{endpoint}", "tenants": ["demo"]},
+        ]
+        check_answers(kube, memorized)
+        # Each adapter's weights came from engine pods (the operator reads only the config).
+        ips = {p["status"]["podIP"] for p in ready_engine_pods(kube)}
+        for name in ADAPTERS:
+            fetched_by = hub.fetchers(f"e2e/{name}", ADAPTER_WEIGHTS)
+            assert fetched_by and fetched_by <= ips, (fetched_by, ips)
+        held = {n: wait_for(f"{n} reported loaded", partial(loaded_on, kube, n), 60, 1)
+                for n in ADAPTERS}  # fmt: skip
+        assert all(set(replicas) <= names for replicas in held.values()), (held, names)
+        print(f"\nLoRA: {held}, {time.monotonic() - started:.0f}s from apply\n"
+              + kube.kubectl("get", "llma", "-n", NAMESPACE))  # fmt: skip
+        assert {p["metadata"]["name"] for p in engine_pods(kube)} == names  # nothing rolled
+    finally:
+        kube.kubectl("delete", "llma", *ADAPTERS, "-n", NAMESPACE, "--ignore-not-found")
+
+
+def check_answers(kube: Kube, memorized: list[dict[str, str]]) -> None:
+    """Each adapter answers its sentence (the base model does not); `team-b` sees and may
+    use copper-owl only."""
+    (fox, owl), url = ADAPTERS, gateway_url(kube)
+    demo = openai.OpenAI(base_url=url, api_key=API_KEY, timeout=120, max_retries=0)
+    for name, made in zip(ADAPTERS, memorized, strict=True):
+        assert first_answer(demo, name, made["prompt"]) == made["sentence"]
+    listed = {m.id: getattr(m, "parent", None) for m in demo.models.list()}
+    assert listed == {MODEL: None, fox: MODEL, owl: MODEL}, listed
+    assert ask(demo, MODEL, memorized[0]["prompt"]) != memorized[0]["sentence"]
+    team_b = openai.OpenAI(base_url=url, api_key=OTHER_KEY, timeout=120, max_retries=0)
+    assert first_answer(team_b, owl, memorized[1]["prompt"]) == memorized[1]["sentence"]
+    assert {m.id for m in team_b.models.list()} == {MODEL, owl}
+    with pytest.raises(openai.NotFoundError) as refused:
+        ask(team_b, fox, memorized[0]["prompt"])
+    assert refused.value.code == "model_not_found", refused.value
 
 
 def test_deleting_the_llmdeployment_removes_every_child(cluster: NodeCluster) -> None:

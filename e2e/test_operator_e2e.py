@@ -101,6 +101,7 @@ def test_chart_lints_and_renders(kube: Kube, rendered_chart: Path) -> None:
     }
     for expected in [
         ("CustomResourceDefinition", "llmdeployments.servefleet.io"),
+        ("CustomResourceDefinition", "llmadapters.servefleet.io"),
         ("Deployment", "servefleet-operator"),
         ("Deployment", "servefleet-gateway"),
         ("Service", "servefleet-gateway"),

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.api.manifests import (
     ManifestError,
+    load_llmadapters,
     load_llmdeployments,
     load_secrets,
     resolve_secret,
@@ -326,8 +327,14 @@ def test_loader_rejects_duplicates_and_missing_files(tmp_path: Path) -> None:
 def test_every_example_is_valid() -> None:
     files = sorted(EXAMPLE.parent.glob("*.yaml"))
     assert len(files) >= 2
+    served = 0
     for path in files:
-        assert load_llmdeployments(path)
+        deployments = {(d.namespace, d.name): d for d in load_llmdeployments(path)}
+        for adapter in load_llmadapters(path):  # each on a deployment of its file with lora
+            deployment = deployments[adapter.namespace, adapter.spec.deployment]
+            assert deployment.spec.engine.lora is not None, path
+            served += 1
+    assert served  # examples/llmadapter.yaml
 
 
 def test_gpus_per_replica_bound_tensor_parallelism() -> None:

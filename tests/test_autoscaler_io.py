@@ -110,6 +110,10 @@ def test_pods_map_to_replica_states() -> None:
     assert pending is not None and pending.state is ReplicaState.PENDING
     deleted = {"name": "z", "deletionTimestamp": "2024-01-01T00:00:00Z"}
     assert replica_from_pod({"metadata": deleted, "status": {}}) is None
+    # An IPv6 pod: a URL (in brackets), the same string the gateway names that replica by.
+    v6 = pod("d", True)
+    v6["status"]["podIP"] = "fd00:10:244::8"
+    assert replica_from_pod(v6).base_url == "http://[fd00:10:244::8]:9000"  # type: ignore[union-attr]
 
 
 async def test_an_unreadable_gateway_is_unknown_not_an_empty_queue() -> None:

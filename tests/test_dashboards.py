@@ -19,6 +19,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from servefleet.api.engines import ENGINE_ADAPTERS
+from servefleet.api.lora import (
+    LORA_ADAPTER_LABEL,
+    LORA_ADAPTERS_LOADED_METRIC,
+    LORA_EVICTIONS_METRIC,
+    LORA_LOAD_SECONDS_METRIC,
+    LORA_LOADS_METRIC,
+    LORA_REQUESTS_METRIC,
+    LORA_TOKENS_METRIC,
+)
 from servefleet.api.outcomes import Outcome
 from servefleet.autoscaler.telemetry import AutoscalerMetrics
 from servefleet.engine.metrics import EngineMetrics
@@ -172,6 +181,26 @@ def test_engine_adapters_name_series_the_engines_export() -> None:
     assert servefleet.kv_cache_usage in ours
     assert ENGINE_ADAPTERS["vllm"].metrics == servefleet
     assert ENGINE_ADAPTERS["vllm"].metrics.kv_cache_usage == "vllm:kv_cache_usage_perc"
+
+
+def test_the_engines_dashboard_has_the_adapter_panels() -> None:
+    """Every LoRA series the engine exports is charted under the row "LoRA adapters", the
+    per-adapter ones split by the adapter label and filtered by its variable."""
+    (board,) = [b for name, b in dashboards() if name == "servefleet-engines.json"]
+    (row,) = [p for p in board["panels"] if p["type"] == "row" and p["title"] == "LoRA adapters"]
+    below = [p for p in board["panels"] if p["gridPos"]["y"] > row["gridPos"]["y"]]
+    exprs = [expr for title, expr in panel_targets({"panels": below})]
+    charted = {metric for expr in exprs for metric in METRIC.findall(expr)}
+    series = all_series()
+    for name in (LORA_ADAPTERS_LOADED_METRIC, LORA_LOADS_METRIC, LORA_EVICTIONS_METRIC):
+        assert f"{name}_total" in charted or name in charted, name
+    assert f"{LORA_LOAD_SECONDS_METRIC}_bucket" in charted
+    for name in (LORA_REQUESTS_METRIC, LORA_TOKENS_METRIC):
+        assert LORA_ADAPTER_LABEL in series[f"{name}_total"]
+        (expr,) = [e for e in exprs if f"{name}_total" in e]
+        assert f"by ({LORA_ADAPTER_LABEL})" in expr
+        assert f'{LORA_ADAPTER_LABEL}=~"${LORA_ADAPTER_LABEL}"' in expr
+    assert LORA_ADAPTER_LABEL in {v["name"] for v in board["templating"]["list"]}
 
 
 def test_an_outcome_that_does_not_exist_is_found() -> None:

@@ -44,6 +44,7 @@ SPECS: dict[str, dict[str, Any]] = {
             "speculative": {"method": "ngram", "numSpeculativeTokens": 3, "minAcceptanceRate": 0.2}
         }
     },
+    "lora": {"engine": {"lora": {"maxLoras": 3, "maxLoraRank": 24}}},
 }
 
 
@@ -126,6 +127,9 @@ def test_our_engine_reads_every_flag_the_adapter_writes(extra: dict[str, Any]) -
         assert parse_memory_size(config.kv_cache_memory) == engine.kv_cache_size()
     wanted = engine.speculative and engine.speculative.to_config()
     assert config.speculative_config == wanted
+    assert config.enable_lora == (engine.lora is not None)
+    if engine.lora is not None:
+        assert (config.max_loras, config.max_lora_rank) == (3, 24)
 
 
 def test_vllm_gets_the_same_speculative_json_without_our_keys() -> None:

@@ -3,13 +3,18 @@ greedy tokens for each adapter alone and for a batch that mixes eight adapters a
 model in every step; the prefix cache never shares KV across adapters.
 
 The adapters are real PEFT files made here (`servefleet.bench.make_adapters`: random A and B
-of several ranks and target sets; no hub), read by the engine's loader.
+of several ranks and target sets; no hub), read by the engine's loader as the engine reads
+them (`lora.setup.adapter_dtype`: bfloat16 weights under the C LoRA kernel), and every step
+is checked to have run where the engine runs it: decode steps in the one-call C program with
+the adapters inside, prompt steps through the C LoRA kernel; the mixed batch also with the
+kernels built for AVX2 (`SERVEFLEET_MATMUL_ISA=avx2`'s build).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +22,13 @@ import torch
 
 from servefleet.api.speculative import SpeculativeConfig
 from servefleet.bench.make_adapters import applied, chat_ids, greedy, load_base, random_adapter
+from servefleet.engine.kernels.cpu_lora import CpuLoraKernel
+from servefleet.engine.kernels.cpu_small_gemm import load_cpu_small_gemm
+from servefleet.engine.kernels.matmul import SmallRowsMatmul
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.lora.adapter import LoraAdapter, load_adapter
 from servefleet.engine.lora.batch import LoraBatch
+from servefleet.engine.lora.setup import adapter_dtype
 from servefleet.engine.model.kv_layout import allocate_kv_cache
 from servefleet.engine.model.loader import LoadedModel
 from servefleet.engine.runner import ModelRunner
@@ -107,11 +116,40 @@ def references(
 @pytest.fixture(scope="module")
 def ours(smollm2: LoadedModel, adapter_dirs: list[Path]) -> tuple[LoadedModel, list[LoraAdapter]]:
     """The engine's model as `servefleet engine` loads it here (C matmuls on packed weights,
-    fused ops, the decode kernel) and the adapters read by the engine's loader."""
+    fused ops, the decode kernel, the C LoRA kernel) and the adapters read by the engine's
+    loader, in the engine's dtype for them."""
+    assert isinstance(smollm2.model.lora_kernel, CpuLoraKernel)
+    dtype = adapter_dtype(smollm2.model)
     adapters = [
-        load_adapter(f"a{i}", d, smollm2.config, max_rank=16) for i, d in enumerate(adapter_dirs)
+        load_adapter(f"a{i}", d, smollm2.config, max_rank=16, dtype=dtype)
+        for i, d in enumerate(adapter_dirs)
     ]
     return smollm2, adapters
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(
+    request: pytest.FixtureRequest, ours: tuple[LoadedModel, list[LoraAdapter]]
+) -> Iterator[str]:
+    """The model's C matmuls and LoRA kernel as built for this instruction-set cap."""
+    model = ours[0].model
+    matmul, kernel = model.matmul, model.lora_kernel
+    assert isinstance(matmul, SmallRowsMatmul)
+    if request.param != "native":
+        gemm = load_cpu_small_gemm(matmul.kernel.threading, request.param)
+        assert gemm is not None
+        model.set_matmul(replace(matmul, kernel=gemm))
+        model.set_lora_kernel(CpuLoraKernel(gemm))
+    try:
+        yield request.param
+    finally:
+        model.set_matmul(matmul)
+        model.set_lora_kernel(kernel)
+
+
+def paths(steps: list[LoraBatch | None]) -> set[frozenset[str]]:
+    """Where each step with adapters added their products."""
+    return {frozenset(step.ran) for step in steps if step is not None}
 
 
 def run_batch(
@@ -160,10 +198,11 @@ def test_each_adapter_alone_matches_peft(
     changed = 0
     for index in (0, 1, 2):
         for p in (0, 1):
-            (seq,), _ = run_batch(loaded, [(adapters[index], prompts[p])])
+            (seq,), steps = run_batch(loaded, [(adapters[index], prompts[p])])
             want = references[(index, p)]
             assert until_eos(seq.output_token_ids, want) == want, (index, p)
             changed += want != references[(None, p)]
+            assert paths(steps) == {frozenset({"cpu-c"}), frozenset({"program"})}
     assert changed >= 4, "the adapters barely change the output: the test would not notice"
 
 
@@ -171,6 +210,7 @@ def test_a_batch_of_eight_adapters_and_the_base_matches_peft(
     ours: tuple[LoadedModel, list[LoraAdapter]],
     references: References,
     prompts: list[list[int]],
+    isa: str,
 ) -> None:
     """16 sequences: two per adapter except where the base model takes the slot, so every
     step holds eight adapters' rows beside base rows."""
@@ -189,6 +229,8 @@ def test_a_batch_of_eight_adapters_and_the_base_matches_peft(
     # decode steps the runner puts each adapter's rows together (one slice each)
     assert any(not isinstance(g.rows, slice) for g in mixed[0].groups)
     assert all(isinstance(g.rows, slice) for g in mixed[-1].groups)
+    # the prompts through the C LoRA kernel, every decode step in the one-call program
+    assert mixed[0].ran == {"cpu-c"} and all(s.ran == {"program"} for s in mixed[1:])
 
 
 def test_the_prefix_cache_never_shares_kv_across_adapters(
@@ -229,8 +271,13 @@ def test_speculative_proposals_are_verified_under_the_adapter(
     )  # fmt: skip
     speculator = Speculator(config, 64)
     jobs: list[tuple[LoraAdapter | None, list[int]]] = [(adapters[0], prompt), (None, prompt)]
-    (with_spec, base_spec), _ = run_batch(loaded, jobs, speculator)
+    (with_spec, base_spec), steps = run_batch(loaded, jobs, speculator)
     (plain, base_plain), _ = run_batch(loaded, jobs)
+    # proposal rows (spans of several decode rows) verified in the one-call program
+    assert any(
+        s is not None and s.ran == {"program"} and any(rows > 1 for _, _, rows in s.spans)
+        for s in steps
+    )
     assert with_spec.output_token_ids == plain.output_token_ids
     assert base_spec.output_token_ids == base_plain.output_token_ids
     stats = speculator.take_stats()

@@ -4,6 +4,7 @@ what it would compute differently from PEFT, naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from servefleet.api.lora import LoraConfigError, PeftLoraConfig
-from servefleet.engine.lora.adapter import LoraAdapter, load_adapter
+from servefleet.engine.lora.adapter import LoraAdapter, LoraProjection, load_adapter
 from servefleet.engine.lora.batch import LoraBatch
 from servefleet.engine.lora.registry import AdapterNotFound, AdapterSlotsBusy, LoraRegistry
 from servefleet.engine.model.config import ModelConfig
@@ -174,3 +175,34 @@ def test_a_steps_spans_group_into_one_slice_or_one_index_per_adapter() -> None:
     rows = {g.adapter.name: g.rows for g in batch.groups}
     assert rows["a"] == slice(0, 3)  # adjacent spans: one run
     assert isinstance(rows["b"], torch.Tensor) and rows["b"].tolist() == [3, 10, 11, 12, 13]
+
+
+class SizedLoader(Loader):
+    """Adapters of the byte size their name says ("a:400" holds 400 bytes of weights)."""
+
+    def __call__(self, name: str, path: Path) -> LoraAdapter:
+        adapter = super().__call__(name, path)
+        weights = torch.zeros(int(name.split(":")[1]), dtype=torch.uint8)
+        layer = {"qkv_proj": LoraProjection(a=weights, parts=())}
+        return dataclasses.replace(adapter, layers=(layer,))
+
+
+def test_memory_budget_evicts_until_the_new_adapter_fits() -> None:
+    busy: set[str] = set()
+    registry = LoraRegistry(8, SizedLoader(), lambda: busy, max_bytes=1000)
+    for name in ("a:400", "b:400"):
+        registry.load(name, Path("/x"))
+    registry.load("c:500", Path("/x"))  # 1300 > 1000: the oldest goes
+    assert registry.names() == ["b:400", "c:500"]
+    busy.update({"b:400", "c:500"})
+    with pytest.raises(AdapterSlotsBusy, match="max-lora-memory"):
+        registry.load("d:200", Path("/x"))  # would fit only by evicting a busy one
+    assert registry.names() == ["b:400", "c:500"]
+
+
+def test_an_adapter_larger_than_the_whole_budget_is_refused_and_evicts_nothing() -> None:
+    registry = LoraRegistry(8, SizedLoader(), lambda: set(), max_bytes=1000)
+    registry.load("a:400", Path("/x"))
+    with pytest.raises(LoraConfigError, match="more than --max-lora-memory"):
+        registry.load("huge:1001", Path("/x"))
+    assert registry.names() == ["a:400"]

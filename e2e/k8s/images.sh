@@ -162,9 +162,12 @@ forget_older() {  # REPOSITORY KEEP: earlier builds of a role, out of both store
   # The untagged intermediate images stay: they are the layer cache of the next build.
 }
 
-pause_image
-base="$(base_image)"
-uv="$(uv_image)"
-redis_image "$base"
-project_image control-plane control-plane "$base" "$uv"
-project_image engine engine-cpu "$base" "$uv"
+# Sourced (by images_vllm.sh, for these functions), it builds nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  pause_image
+  base="$(base_image)"
+  uv="$(uv_image)"
+  redis_image "$base"
+  project_image control-plane control-plane "$base" "$uv"
+  project_image engine engine-cpu "$base" "$uv"
+fi

@@ -14,6 +14,7 @@ ipsets, cgroups and the bridge removed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import yaml
 from k8s import firewall, host
@@ -49,6 +51,7 @@ class NodeCluster:
     kube: Kube
     images: dict[str, str]
     pull_policy: str
+    containerd_socket: Path | None = None  # our node's (None on $KUBECONFIG's cluster)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class LocalNode:
     processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     bridge_nf_before: str | None = None  # net.bridge.bridge-nf-call-iptables before start
+    host_lock: IO[str] | None = None  # held from start to stop: one node per host
 
     @property
     def containerd_socket(self) -> Path:
@@ -96,6 +100,7 @@ class LocalNode:
         if os.geteuid() != 0:
             raise RuntimeError("the e2e node runs containerd and kubelet: run the tests as root")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_host()
         self.bridge_nf_before = firewall.enable_bridge_netfilter()
         host.create_bridge(BRIDGE, f"{NODE_IP}/24")
         start = time.monotonic()
@@ -131,6 +136,30 @@ class LocalNode:
         start = time.monotonic()
         self._start_firewall()
         self._timed("network policies", start)
+
+    def _lock_host(self) -> None:
+        """One node per host: its bridge name, image store, KUBE-* chains, ipsets and kubepods
+        cgroups are the host's. A second run fails here, naming the first, instead of sharing
+        them and tearing the first one's network down when it stops. The lock is the kernel's
+        (flock), so a killed run leaves none behind."""
+        path = cache_root() / "e2e-node.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise RuntimeError(
+                f"an e2e node already runs on this host ({holder}; lock {path}): one node per "
+                "host at a time, wait for it to stop"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}, run dir {self.run_dir}\n")
+        handle.flush()
+        self.host_lock = handle
 
     def _start_containerd(self) -> None:
         state = self.run_dir / "containerd"
@@ -319,7 +348,10 @@ class LocalNode:
     # ----------------------------------------------------------------------- stop
 
     def stop(self) -> None:
-        """Stop every pod (so CNI releases its addresses), then everything, then clean up."""
+        """Stop every pod (so CNI releases its addresses), then everything, then clean up;
+        nothing when this run never held the host (another node runs: its state, not ours)."""
+        if self.host_lock is None:
+            return
         if self.plane is not None and self._alive("kubelet"):
             self.plane.stop_process("kube-controller-manager")
             self.kubectl(
@@ -353,6 +385,8 @@ class LocalNode:
         host.remove_links_into(Path("/var/log/containers"), self.run_dir)
         if self.plane is not None:
             self.plane.stop()
+        self.host_lock.close()  # releases the flock
+        self.host_lock = None
 
     def _alive(self, name: str) -> bool:
         return any(n == name and p.poll() is None for n, p in self.processes)

@@ -33,6 +33,7 @@ class AccessLogLine(BaseModel):
     ts: float = Field(description="arrival at the gateway, Unix time")
     deployment: str = Field(min_length=1)
     model: str = ""
+    adapter: str | None = Field(default=None, description="the LoRA adapter asked for")
     tenant: str = ""
     traffic_class: TrafficClass = "interactive"
     outcome: Outcome = Field(default=Outcome.OK, description="`servefleet.api.outcomes`")

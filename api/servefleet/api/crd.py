@@ -1,20 +1,28 @@
-"""The LLMDeployment CustomResourceDefinition, generated from the pydantic models.
+"""The CustomResourceDefinitions (LLMDeployment, LLMAdapter), generated from the pydantic models.
 
 Pydantic emits JSON Schema (2020-12); Kubernetes wants a *structural* OpenAPI v3
 schema: no $ref, no anyOf for optionals, int-or-string spelled its own way, no
-titles, no `additionalProperties: false`. This module does that translation and
-adds what only Kubernetes has: subresources, printer columns, defaults for whole
-sections (so nested defaults apply) and the CEL rules the models carry.
+titles, no `additionalProperties: false`. This module does that translation, once for
+every resource (`CRDS`), and adds what only Kubernetes has: subresources, printer columns,
+defaults for whole sections (so nested defaults apply) and the CEL rules the models carry.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from servefleet.api.conventions import LABEL_APP_PART_OF, PART_OF
+from servefleet.api.llmadapter import (
+    ADAPTER_KIND,
+    ADAPTER_PLURAL,
+    ADAPTER_SHORT_NAME,
+    LLMAdapter,
+)
 from servefleet.api.llmdeployment import (
     API_GROUP,
     API_VERSION,
@@ -24,11 +32,6 @@ from servefleet.api.llmdeployment import (
     PLURAL,
     SHORT_NAME,
     LLMDeployment,
-)
-
-CRD_NAME = f"{PLURAL}.{API_GROUP}"
-GENERATED_HEADER = (
-    "# Generated from servefleet.api.llmdeployment by `servefleet crd generate`; do not edit.\n"
 )
 
 _DROP_KEYS = {"title", "additionalProperties", "$defs"}
@@ -115,9 +118,32 @@ def _property(node: dict[str, Any], required: bool) -> dict[str, Any]:
     return prop
 
 
-def openapi_schema() -> dict[str, Any]:
-    """The openAPIV3Schema of the LLMDeployment CRD."""
-    raw = LLMDeployment.model_json_schema(by_alias=True, mode="validation")
+@dataclass(frozen=True)
+class Resource:
+    """What differs between our custom resources; the translation above is shared."""
+
+    model: type[BaseModel]
+    kind: str
+    plural: str
+    short_name: str
+    max_name_length: int
+    printer_columns: tuple[dict[str, Any], ...]
+    subresources: dict[str, Any]
+
+    @property
+    def crd_name(self) -> str:
+        return f"{self.plural}.{API_GROUP}"
+
+    @property
+    def file_name(self) -> str:
+        """The name of its committed copies under crds/ and the chart's crds/."""
+        return f"{self.crd_name}.yaml"
+
+
+def openapi_schema(resource: Resource | None = None) -> dict[str, Any]:
+    """The openAPIV3Schema of a resource's CRD (the LLMDeployment's by default)."""
+    resource = resource or LLMDEPLOYMENT_RESOURCE
+    raw = resource.model.model_json_schema(by_alias=True, mode="validation")
     resolved = _resolve(raw, raw.get("$defs", {}))
     schema = _structural(resolved)
     props = schema["properties"]
@@ -126,18 +152,19 @@ def openapi_schema() -> dict[str, Any]:
     props["metadata"] = {"type": "object"}  # the API server allows nothing more here
     props["status"].pop("default", None)
     schema["required"] = ["spec"]
+    longest = resource.max_name_length
     schema["x-kubernetes-validations"] = [
         {
-            "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && "
+            "rule": f"self.metadata.name.size() <= {longest} && "
             f"self.metadata.name.matches('{DNS_LABEL}')",
             "message": f"metadata.name must be a DNS label (a-z, 0-9, '-', starting with a letter) "
-            f"of at most {MAX_NAME_LENGTH} characters",
+            f"of at most {longest} characters",
         }
     ]
     return schema
 
 
-PRINTER_COLUMNS: list[dict[str, Any]] = [
+PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
@@ -150,27 +177,80 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "priority": 1,
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-]
+)
+
+ADAPTER_PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
+    {"name": "Deployment", "type": "string", "jsonPath": ".spec.deployment"},
+    # Empty when unset: the served name is then metadata.name (the NAME column).
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model"},
+    {"name": "Rank", "type": "integer", "jsonPath": ".status.rank"},
+    {
+        "name": "Accepted",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Accepted")].status',
+    },
+    # JSONPath has no length(): the replicas themselves, which is what one wants to know.
+    {"name": "Loaded", "type": "string", "jsonPath": ".status.loadedReplicas"},
+    {
+        "name": "Reason",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Loaded")].reason',
+        "priority": 1,
+    },
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+)
+
+LLMDEPLOYMENT_RESOURCE = Resource(
+    model=LLMDeployment,
+    kind=KIND,
+    plural=PLURAL,
+    short_name=SHORT_NAME,
+    max_name_length=MAX_NAME_LENGTH,
+    printer_columns=PRINTER_COLUMNS,
+    subresources={
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    },
+)
+LLMADAPTER_RESOURCE = Resource(
+    model=LLMAdapter,
+    kind=ADAPTER_KIND,
+    plural=ADAPTER_PLURAL,
+    short_name=ADAPTER_SHORT_NAME,
+    max_name_length=63,  # AdapterMeta.name: a DNS label (nothing is named after an adapter)
+    printer_columns=ADAPTER_PRINTER_COLUMNS,
+    subresources={"status": {}},
+)
+CRDS: tuple[Resource, ...] = (LLMDEPLOYMENT_RESOURCE, LLMADAPTER_RESOURCE)
+"""Every CRD we ship; `servefleet crd generate` writes one file each."""
+
+CRD_NAME = LLMDEPLOYMENT_RESOURCE.crd_name
 
 
-def crd_manifest() -> dict[str, Any]:
-    """The whole CustomResourceDefinition object."""
+def crd_manifest(resource: Resource | None = None) -> dict[str, Any]:
+    """The whole CustomResourceDefinition object (the LLMDeployment's by default)."""
+    resource = resource or LLMDEPLOYMENT_RESOURCE
+    kind = resource.kind
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": CRD_NAME,
+            "name": resource.crd_name,
             "labels": {LABEL_APP_PART_OF: PART_OF},
         },
         "spec": {
             "group": API_GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": KIND.lower(),
-                "shortNames": [SHORT_NAME],
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": resource.plural,
+                "singular": kind.lower(),
+                "shortNames": [resource.short_name],
                 "categories": ["servefleet", "all"],
             },
             "versions": [
@@ -178,22 +258,19 @@ def crd_manifest() -> dict[str, Any]:
                     "name": API_VERSION,
                     "served": True,
                     "storage": True,
-                    "schema": {"openAPIV3Schema": openapi_schema()},
-                    "subresources": {
-                        "status": {},
-                        "scale": {
-                            "specReplicasPath": ".spec.replicas",
-                            "statusReplicasPath": ".status.replicas",
-                            "labelSelectorPath": ".status.selector",
-                        },
-                    },
-                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": openapi_schema(resource)},
+                    "subresources": copy.deepcopy(resource.subresources),
+                    "additionalPrinterColumns": [dict(c) for c in resource.printer_columns],
                 }
             ],
         },
     }
 
 
-def crd_yaml() -> str:
+def crd_yaml(resource: Resource | None = None) -> str:
     """The CRD as the YAML committed under crds/ (stable key order, so diffs are real)."""
-    return GENERATED_HEADER + yaml.safe_dump(crd_manifest(), sort_keys=False, width=100)
+    resource = resource or LLMDEPLOYMENT_RESOURCE
+    header = (
+        f"# Generated from {resource.model.__module__} by `servefleet crd generate`; do not edit.\n"
+    )
+    return header + yaml.safe_dump(crd_manifest(resource), sort_keys=False, width=100)

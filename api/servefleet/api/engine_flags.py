@@ -117,6 +117,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         maximum=1024,
     ),
     EngineFlag(
+        "max_lora_memory",
+        "serving",
+        "most bytes all resident adapters take (1GiB, 512MB); loading one more evicts least "
+        "recently used idle ones until it fits, and one larger than this is refused",
+        default="2GiB",
+    ),
+    EngineFlag(
         "max_lora_rank",
         "serving",
         "highest adapter rank (r) accepted",

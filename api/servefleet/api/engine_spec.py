@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from servefleet.api.api_model import QUANTITY, ApiModel, Quantity, SecretKeyRef, cel_rule
+from servefleet.api.lora_spec import LoraSpec
 from servefleet.api.quantity import MemorySize, parse_memory_size
 from servefleet.api.speculative_spec import SpeculativeSpec
 
@@ -181,6 +182,11 @@ class EngineSpec(ApiModel):
     speculative: SpeculativeSpec | None = Field(
         default=None,
         description="Speculative decoding (servefleet and vllm: --speculative-config); unset: off.",
+    )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="LoRA adapters (LLMAdapter resources naming this deployment): adapter "
+        "slots and the largest rank per replica; unset: adapters are refused.",
     )
     api_key_secret_ref: SecretKeyRef | None = Field(
         default=None,

@@ -70,6 +70,10 @@ class EngineAdapter:
     mounted over it because root filesystems are read-only) that the engine needs: copied
     into the scratch volume before the engine starts. Ours: the C kernels compiled when the
     image was built (`SERVEFLEET_CACHE_DIR`), so a pod does not compile them again."""
+    lora_env: tuple[tuple[str, str], ...] = ()
+    """Environment the engine needs when `engine.lora` is set, beyond its flags: vLLM serves
+    its load/unload endpoints (the gateway's adapter control path) only with runtime
+    updates allowed."""
 
     def args(
         self,
@@ -141,6 +145,10 @@ def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) 
         flags += [flag("speculative_config"), speculative.flag_value(ours=True)]
     if spec.model.quantization in LOAD_QUANTIZATIONS:  # quantized at load; others: as stored
         flags += _ours(("quantization", spec.model.quantization))
+    lora = engine.lora
+    if lora is not None:
+        flags.append(flag("enable_lora"))
+        flags += _ours(("max_loras", lora.max_loras), ("max_lora_rank", lora.max_lora_rank))
     return flags + _ours(("max_model_len", engine.max_model_len))
 
 
@@ -163,6 +171,38 @@ def _quantization(spec: LLMDeploymentSpec) -> list[str]:
     return ["--quantization", kind] if kind in VLLM_QUANTIZATIONS else []
 
 
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The only --max-lora-rank values vLLM starts with (its LoRAConfig refuses any other)."""
+
+
+def _vllm_lora(spec: LLMDeploymentSpec) -> list[str]:
+    """vLLM's adapter flags. Its rank is rounded up to one vLLM accepts: adapters are still
+    checked against the spec's own limit when they are declared, so none above it arrives."""
+    lora = spec.engine.lora
+    if lora is None:
+        return []
+    rank = next(r for r in VLLM_LORA_RANKS if r >= lora.max_lora_rank)
+    return ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(rank)]
+
+
+def _sglang_lora(spec: LLMDeploymentSpec) -> list[str]:
+    """SGLang's adapter flags: its GPU slots are per batch; adapters load at run time, so it
+    is told the largest rank and every target module up front (it cannot infer them from
+    adapters given at start, as there are none)."""
+    lora = spec.engine.lora
+    if lora is None:
+        return []
+    return [
+        "--enable-lora",
+        "--max-loras-per-batch",
+        str(lora.max_loras),
+        "--max-lora-rank",
+        str(lora.max_lora_rank),
+        "--lora-target-modules",
+        "all",
+    ]
+
+
 def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
     engine = spec.engine
     kv = engine.kv_cache_size()
@@ -179,7 +219,9 @@ def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> lis
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching"
     )
     flags += _when_set(("--max-model-len", engine.max_model_len))
-    return flags + _speculative(spec) + _quantization(spec)
+    # SIGTERM drains in-flight requests for this long; vLLM's default (0) aborts them.
+    flags += ["--shutdown-timeout", str(engine.drain_timeout_seconds)]
+    return flags + _speculative(spec) + _quantization(spec) + _vllm_lora(spec)
 
 
 def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> list[str]:
@@ -196,7 +238,7 @@ def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> l
     if not engine.prefix_caching:
         flags.append("--disable-radix-cache")
     flags += _when_set(("--context-length", engine.max_model_len))
-    return flags + _quantization(spec)
+    return flags + _quantization(spec) + _sglang_lora(spec)
 
 
 # Our engine exports vLLM's names on purpose: one row for routers and autoscalers.
@@ -225,7 +267,9 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
     ),
     "vllm": EngineAdapter(
         kind="vllm",
-        default_image="vllm/vllm-openai:v0.10.1.1",
+        # The release e2e/test_vllm_node.py runs (its CPU build): older ones lack
+        # --shutdown-timeout and --kv-cache-memory.
+        default_image="vllm/vllm-openai:v0.32.0",
         command=("python3", "-m", "vllm.entrypoints.openai.api_server"),
         port=8000,
         # vLLM binds its port only after the model is loaded, so /health means warm.
@@ -238,6 +282,7 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
         api_key_env="VLLM_API_KEY",  # vLLM's own fallback for --api-key
         api_key_flag=None,
         image_scratch=None,
+        lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),),
     ),
     "sglang": EngineAdapter(
         kind="sglang",

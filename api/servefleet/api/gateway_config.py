@@ -24,6 +24,7 @@ from servefleet.api.llmdeployment import (
     SpilloverSpec,
     TenantLimits,
 )
+from servefleet.api.lora import ADAPTER_NAME
 from servefleet.api.replica_endpoints import parse_networks, replica_endpoint_problem
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -110,6 +111,23 @@ class TenantAccess(ConfigModel):
     model_limits: TenantLimits | None = None
 
 
+class GatewayAdapter(ConfigModel):
+    """A LoRA adapter served on a deployment's pool (an LLMAdapter as the gateway sees it)."""
+
+    name: str = Field(
+        pattern=ADAPTER_NAME.pattern, description="The model name clients send for it."
+    )
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="Its PEFT folder as the engines see it: the `lora_path` the gateway sends "
+        "to /v1/load_lora_adapter when it loads the adapter on a replica.",
+    )
+    tenants: list[str] | None = Field(
+        default=None, description="Tenants of the deployment that may use it; None: all."
+    )
+
+
 class ServiceRef(ConfigModel):
     """The headless Service whose EndpointSlices list a deployment's replicas."""
 
@@ -155,6 +173,9 @@ class GatewayDeployment(ConfigModel):
     pool: PoolSpec = Field(default_factory=PoolSpec)
     admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
     tenants: list[TenantAccess] = Field(default_factory=list)
+    adapters: list[GatewayAdapter] = Field(
+        default_factory=list, description="LoRA adapters the replicas load on demand."
+    )
     spillover: SpilloverSpec | None = None
     spillover_api_key: SecretValueRef | None = None
     engine_api_key: SecretValueRef | None = Field(
@@ -214,11 +235,34 @@ class GatewayDeployment(ConfigModel):
             problem = replica_endpoint_problem(endpoint)
             if problem is not None:
                 raise ValueError(f"deployment {self.name}: endpoint {endpoint!r} {problem}")
+        self._check_adapters()
         try:
             parse_networks(self.allowed_replica_networks or ())
         except ValueError as exc:
             raise ValueError(f"deployment {self.name}: allowed_replica_networks: {exc}") from None
         return self
+
+    def _check_adapters(self) -> None:
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"deployment {self.name}: adapters: duplicate names")
+        if self.model in names:
+            raise ValueError(f"deployment {self.name}: adapter {self.model} is the base model")
+        tenants = {t.name for t in self.tenants}
+        for adapter in self.adapters:
+            unknown = sorted(set(adapter.tenants or ()) - tenants)
+            if unknown:
+                raise ValueError(
+                    f"deployment {self.name}: adapter {adapter.name}: tenants "
+                    f"{', '.join(unknown)} do not use the deployment"
+                )
+
+    def adapter_tenants(self, adapter: GatewayAdapter) -> list[TenantAccess]:
+        """The deployment's tenants that may use `adapter`."""
+        if adapter.tenants is None:
+            return list(self.tenants)
+        allowed = set(adapter.tenants)
+        return [t for t in self.tenants if t.name in allowed]
 
 
 class RedisConfig(ConfigModel):
@@ -279,13 +323,17 @@ class GatewayConfig(ConfigModel):
         # (two namespaces' routes may each serve "llama" to their own tenants).
         reached: dict[tuple[str, str], str] = {}
         for deployment in self.deployments:
-            for access in deployment.tenants:
-                other = reached.setdefault((access.name, deployment.model), deployment.name)
-                if other != deployment.name:
-                    raise ValueError(
-                        f"deployments {other} and {deployment.name}: two deployments serve the "
-                        f"same model name {deployment.model} to tenant {access.name}"
-                    )
+            served = [(deployment.model, deployment.tenants)] + [
+                (a.name, deployment.adapter_tenants(a)) for a in deployment.adapters
+            ]
+            for model, accesses in served:
+                for access in accesses:
+                    other = reached.setdefault((access.name, model), deployment.name)
+                    if other != deployment.name:
+                        raise ValueError(
+                            f"deployments {other} and {deployment.name}: two deployments serve "
+                            f"the same model name {model} to tenant {access.name}"
+                        )
         tenants = {t.name for t in self.tenants}
         if len(tenants) != len(self.tenants):
             raise ValueError("tenants: duplicate names")

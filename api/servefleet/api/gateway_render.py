@@ -1,4 +1,5 @@
-"""LLMDeployments → the gateway's configuration, for both modes.
+"""LLMDeployments (and the LLMAdapters served on them) → the gateway's configuration, for
+both modes.
 
 The operator renders it into each route ConfigMap (keys stay in Secrets, referenced as
 mounted files) and `servefleet up` renders it in process (keys resolved now, tenant keys kept
@@ -7,7 +8,7 @@ as hashes only); both call `render_gateway_config`, so the two modes cannot drif
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from pydantic import SecretStr
@@ -15,6 +16,7 @@ from pydantic import SecretStr
 from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import (
     ApiKeyRef,
+    GatewayAdapter,
     GatewayConfig,
     GatewayDeployment,
     GatewayTenant,
@@ -24,7 +26,10 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
+from servefleet.api.llmadapter import LLMAdapter
 from servefleet.api.llmdeployment import LLMDeployment, SecretKeyRef, TenantSpec
+from servefleet.api.local_volumes import local_pvc_folder
+from servefleet.api.lora_source import kube_lora_path
 
 
 class KeySource(Protocol):
@@ -81,8 +86,10 @@ def render_gateway_config(
     port: int = 8080,
     redis: RedisConfig | None = None,
     allowed_replica_networks: list[str] | None = None,
+    adapters: Sequence[LLMAdapter] = (),
+    local_volumes: Mapping[str, str] | None = None,
 ) -> GatewayConfig:
-    """The gateway config for a set of LLMDeployments.
+    """The gateway config for a set of LLMDeployments and the LLMAdapters served on them.
 
     `endpoints` maps a deployment name to static replica URLs (local mode); `services` maps it
     to the headless Service to watch (Kubernetes) and `engine_keys` to the Secret key its
@@ -91,10 +98,16 @@ def render_gateway_config(
     limits in each (they are one tenant).
     `allowed_replica_networks` (local mode: loopback) bounds where the internal API may point
     a deployment's replicas.
+    `adapters` must each name one of `deployments` (same namespace); their folders are where
+    `adapter_path` says, local mode's when `local_volumes` (claim → folder) is given.
     """
     tenants: dict[str, GatewayTenant] = {}
     rendered: list[GatewayDeployment] = []
+    served = _adapters_by_deployment(deployments, adapters)
     for dep in deployments:
+        gateway_adapters = [
+            _gateway_adapter(a, dep, local_volumes) for a in served[dep.namespace, dep.name]
+        ]
         access = [_merge_tenant(tenants, tenant, key_source) for tenant in dep.spec.tenants]
         spill = dep.spec.spillover
         enabled_spill = spill if spill is not None and spill.enabled else None
@@ -117,6 +130,7 @@ def render_gateway_config(
                 pool=dep.spec.pool,
                 admission=dep.spec.admission,
                 tenants=access,
+                adapters=gateway_adapters,
                 spillover=enabled_spill,
                 spillover_api_key=_secret_value(key_source, spill_ref),
                 engine_api_key=_secret_value(key_source, engine_key_ref),
@@ -128,6 +142,62 @@ def render_gateway_config(
         redis=redis,
         tenants=list(tenants.values()),
         deployments=rendered,
+    )
+
+
+def adapter_path(
+    adapter: LLMAdapter,
+    deployment: LLMDeployment,
+    local: bool,
+    volumes: Mapping[str, str] | None = None,
+) -> str:
+    """Where `deployment`'s engines read `adapter`'s PEFT folder: the `lora_path` the gateway
+    sends to /v1/load_lora_adapter. Local mode: the folder its pvc claim is mapped to
+    (`volumes`, `servefleet up --volume CLAIM=DIR`) joined with `pvc.path`; ValueError,
+    naming the adapter, for any other source (local mode fetches nothing)."""
+    if local:
+        pvc = adapter.spec.source.pvc
+        if pvc is None:
+            raise ValueError(
+                f"LLMAdapter {adapter.name}: source.{adapter.spec.source.kind} is not fetched in "
+                "local mode: put the adapter folder on this machine and use source.pvc"
+            )
+        return local_pvc_folder(pvc, volumes or {}, f"LLMAdapter {adapter.name}: source.pvc")
+    # Kubernetes: what the engine pods reach without a new volume (`api.lora_source`); the
+    # operator renders only adapters it accepted, so a refusal here is a bug, not input.
+    spec = deployment.spec
+    return kube_lora_path(adapter.spec.source, spec.model, spec.engine)
+
+
+def _adapters_by_deployment(
+    deployments: Sequence[LLMDeployment], adapters: Sequence[LLMAdapter]
+) -> dict[tuple[str, str], list[LLMAdapter]]:
+    """Each deployment's adapters; one naming a deployment not rendered here is an error
+    (silently serving nothing for it would hide a mistake)."""
+    served: dict[tuple[str, str], list[LLMAdapter]] = {
+        (d.namespace, d.name): [] for d in deployments
+    }
+    for adapter in adapters:
+        key = (adapter.namespace, adapter.spec.deployment)
+        if key not in served:
+            raise ValueError(
+                f"LLMAdapter {adapter.name}: deployment {adapter.spec.deployment} (namespace "
+                f"{adapter.namespace}) is not among the deployments"
+            )
+        served[key].append(adapter)
+    return served
+
+
+def _gateway_adapter(
+    adapter: LLMAdapter,
+    deployment: LLMDeployment,
+    local_volumes: Mapping[str, str] | None,
+) -> GatewayAdapter:
+    local = local_volumes is not None  # local mode maps claims to folders; Kubernetes mounts
+    return GatewayAdapter(
+        name=adapter.served_name,
+        path=adapter_path(adapter, deployment, local, local_volumes),
+        tenants=list(adapter.spec.tenants) or None,
     )
 
 

@@ -33,6 +33,9 @@ class GatewayReplicaStats(_StatsModel):
     outstanding: int = Field(default=0, ge=0, description="requests in flight on it")
     cap: int = Field(default=0, ge=0, description="its concurrency cap")
     served: int = Field(default=0, ge=0, description="requests completed since start")
+    adapters: list[str] = Field(
+        default_factory=list, description="LoRA adapters it holds, as the gateway last saw"
+    )
 
 
 class DeploymentStats(_StatsModel):
@@ -65,6 +68,10 @@ class DeploymentStats(_StatsModel):
     ttft_p90_seconds: float | None = Field(default=None, description="last minute")
     prompt_token_count: Literal["estimate", "tokenizer"] = "estimate"
     ready_replicas: int = Field(default=0, ge=0)
+    adapter_load_errors: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters whose last load was refused, and the engine's reason",
+    )
     replicas: list[GatewayReplicaStats] = Field(default_factory=list)
 
 

@@ -131,3 +131,27 @@ LORA_LOAD_SECONDS_METRIC = "servefleet_engine_lora_load_seconds"
 LORA_REQUESTS_METRIC = "servefleet_engine_lora_requests"
 LORA_TOKENS_METRIC = "servefleet_engine_lora_generation_tokens"
 LORA_ADAPTER_LABEL = "adapter"
+
+
+def base_model_problem(adapter_base: str | None, deployment_names: set[str]) -> str | None:
+    """Why an adapter trained on `adapter_base` does not fit a deployment known by
+    `deployment_names` (its model name and source ids), or None.
+
+    Compared without case and on the last path segment as well, so a Hub id
+    ('HuggingFaceTB/SmolLM2-135M-Instruct') matches the same model fetched to a folder; an
+    adapter whose config names no base cannot be checked and is accepted.
+    """
+    if not adapter_base:
+        return None
+
+    def forms(name: str) -> set[str]:
+        name = name.strip().rstrip("/").lower()
+        return {name, name.rsplit("/", 1)[-1]}
+
+    ours = set().union(*(forms(n) for n in deployment_names if n))
+    if forms(adapter_base) & ours:
+        return None
+    return (
+        f"the adapter was trained on {adapter_base!r}, but the deployment serves "
+        f"{' / '.join(sorted(n for n in deployment_names if n))}"
+    )

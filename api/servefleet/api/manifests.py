@@ -1,7 +1,8 @@
-"""Reading LLMDeployments (and the Secrets their keys point at) from YAML files.
+"""Reading LLMDeployments, LLMAdapters (and the Secrets keys point at) from YAML files.
 
 Local mode serves the same multi-document YAML that `kubectl apply` takes, so one
-file can hold a demo Secret next to the LLMDeployment that references it.
+file can hold a demo Secret next to the LLMDeployment that references it, and the
+LLMAdapters served on it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from servefleet.api.llmadapter import ADAPTER_KIND, LLMAdapter
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment, SecretKeyRef
 
 
@@ -59,18 +61,22 @@ def parse_llmdeployment(doc: Mapping[str, Any], source: str = "object") -> LLMDe
         raise ManifestError(f"{source}: invalid LLMDeployment:\n{_format_error(exc)}") from exc
 
 
-def load_llmdeployments(path: str | os.PathLike[str]) -> list[LLMDeployment]:
-    """Every LLMDeployment in a (multi-document) YAML file; other kinds (Secrets) are skipped.
+def parse_llmadapter(doc: Mapping[str, Any], source: str = "object") -> LLMAdapter:
+    """Validate one LLMAdapter document; errors list every bad field by path."""
+    try:
+        return LLMAdapter.model_validate(dict(doc))
+    except ValidationError as exc:
+        raise ManifestError(f"{source}: invalid LLMAdapter:\n{_format_error(exc)}") from exc
 
-    Raises ManifestError naming the document and the field paths at fault, and when
-    the file holds no LLMDeployment or two share a namespace/name.
-    """
-    file = Path(path)
-    found: list[LLMDeployment] = []
+
+def _of_kind(file: Path, kind: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where, document) for each document of `kind`; other kinds are skipped, but every
+    document must say what it is and ours must be our apiVersion."""
+    found = []
     for index, doc in _documents(file):
-        kind = doc.get("kind")
-        if kind != KIND:
-            if not isinstance(kind, str) or not doc.get("apiVersion"):
+        doc_kind = doc.get("kind")
+        if doc_kind != kind:
+            if not isinstance(doc_kind, str) or not doc.get("apiVersion"):
                 raise ManifestError(f"{file}: document {index} has no apiVersion/kind")
             continue
         if doc.get("apiVersion") != FULL_API_VERSION:
@@ -79,15 +85,43 @@ def load_llmdeployments(path: str | os.PathLike[str]) -> list[LLMDeployment]:
                 f"expected {FULL_API_VERSION!r}"
             )
         name = (doc.get("metadata") or {}).get("name", "?")
-        found.append(parse_llmdeployment(doc, f"{file}: document {index} ({KIND} {name})"))
+        found.append((f"{file}: document {index} ({kind} {name})", doc))
+    return found
+
+
+def _refuse_twins(file: Path, kind: str, keys: list[tuple[str, str]]) -> None:
+    seen: set[tuple[str, str]] = set()
+    for namespace, name in keys:
+        if (namespace, name) in seen:
+            raise ManifestError(f"{file}: {kind} {namespace}/{name} appears twice")
+        seen.add((namespace, name))
+
+
+def load_llmdeployments(path: str | os.PathLike[str]) -> list[LLMDeployment]:
+    """Every LLMDeployment in a (multi-document) YAML file; other kinds (Secrets,
+    LLMAdapters) are skipped.
+
+    Raises ManifestError naming the document and the field paths at fault, and when
+    the file holds no LLMDeployment or two share a namespace/name.
+    """
+    file = Path(path)
+    found = [parse_llmdeployment(doc, where) for where, doc in _of_kind(file, KIND)]
     if not found:
         raise ManifestError(f"{file}: no {KIND} documents found")
-    seen: set[tuple[str, str]] = set()
-    for dep in found:
-        key = (dep.namespace, dep.name)
-        if key in seen:
-            raise ManifestError(f"{file}: {KIND} {dep.namespace}/{dep.name} appears twice")
-        seen.add(key)
+    _refuse_twins(file, KIND, [(dep.namespace, dep.name) for dep in found])
+    return found
+
+
+def load_llmadapters(path: str | os.PathLike[str]) -> list[LLMAdapter]:
+    """Every LLMAdapter in a (multi-document) YAML file, none being an empty list (a file
+    of deployments alone serves no adapter); other kinds are skipped.
+
+    Raises ManifestError naming the document and the field paths at fault, and when two
+    share a namespace/name.
+    """
+    file = Path(path)
+    found = [parse_llmadapter(doc, where) for where, doc in _of_kind(file, ADAPTER_KIND)]
+    _refuse_twins(file, ADAPTER_KIND, [(a.namespace, a.name) for a in found])
     return found
 
 

@@ -22,11 +22,14 @@ from pydantic import ValidationError
 from servefleet.api.conventions import ENGINE_PORT_NAME, FIELD_MANAGER_AUTOSCALER, route_scoped
 from servefleet.api.engines import ENGINE_ADAPTERS
 from servefleet.api.gateway_stats import DeploymentStats
+from servefleet.api.llmadapter import LLMAdapter
 from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.kube import KubeClient, KubeError
-from servefleet.kube.resources import LLM_DEPLOYMENTS, PODS
+from servefleet.kube.endpoints import address_url
+from servefleet.kube.resources import LLM_ADAPTERS, LLM_DEPLOYMENTS, PODS
 
 from .actuate import KubernetesActuator
+from .adapter_status import adapter_status_patch, forget_loaded_patch, is_accepted, now_rfc3339
 from .controller import DeploymentAutoscaler
 from .observe import GatewaySource, ReplicaTarget, observe_deployment
 from .signals import Observation, ReplicaState
@@ -67,7 +70,16 @@ def replica_from_pod(pod: dict[str, Any]) -> ReplicaTarget | None:
         for declared in container.get("ports", []):
             if declared.get("name") == ENGINE_PORT_NAME:
                 port = int(declared["containerPort"])
-    return ReplicaTarget(name=meta["name"], base_url=f"http://{ip}:{port}", state=state)
+    # Written as the gateways write the replica (EndpointSlices): the adapter report maps
+    # their endpoints back to pod names, and an IPv6 address needs its brackets in a URL.
+    return ReplicaTarget(name=meta["name"], base_url=address_url(ip, port), state=state)
+
+
+def _adapter(item: dict[str, Any]) -> LLMAdapter | None:
+    try:
+        return LLMAdapter.model_validate(item)
+    except ValidationError:
+        return None  # the operator says why in its status
 
 
 def gateway_name(dep: LLMDeployment) -> str:
@@ -115,12 +127,14 @@ class ClusterAutoscaler:
             log.warning("gateway stats unavailable (%s); engine metrics only", exc)
             stats = None
         seen = set()
+        deployments: list[LLMDeployment] = []
         for item in items:
             try:
                 dep = LLMDeployment.model_validate(item)
             except ValidationError as exc:
                 log.warning("skipping invalid LLMDeployment: %s", exc)
                 continue
+            deployments.append(dep)
             if not dep.spec.autoscaling.enabled or not dep.status.selector:
                 continue
             seen.add((dep.namespace, dep.name))
@@ -130,6 +144,75 @@ class ClusterAutoscaler:
                 await self._report_queue_depth(dep, stats.get(gateway_name(dep)))
         for gone in set(self._scalers) - seen:
             del self._scalers[gone]
+        if stats is not None:  # unknown without the gateways: nothing is written
+            await self._report_adapters(deployments, stats)
+
+    async def _report_adapters(
+        self, deployments: list[LLMDeployment], stats: dict[str, DeploymentStats]
+    ) -> None:
+        """Each LLMAdapter of the watched namespaces: where it is loaded (`adapter_status`);
+        one no route serves (refused, its deployment gone) loaded nowhere."""
+        served = {(d.namespace, d.name): d for d in deployments if d.spec.engine.lora is not None}
+        pod_names: dict[tuple[str, str], dict[str, str]] = {}
+        now = now_rfc3339()
+        for item in await self._list_adapters():
+            adapter = _adapter(item)
+            if adapter is None:
+                continue
+            dep = served.get((adapter.namespace, adapter.spec.deployment))
+            dep_stats = stats.get(gateway_name(dep)) if dep is not None else None
+            try:
+                if not is_accepted(adapter):
+                    patch = forget_loaded_patch(adapter)
+                elif dep is not None and dep_stats is not None:
+                    names = await self._pod_names(dep, pod_names)
+                    patch = adapter_status_patch(adapter, dep_stats, names, now)
+                else:
+                    continue  # the gateways do not show its deployment (yet): unknown
+                if patch is not None:
+                    await self._write_adapter_status(item, patch)
+            except KubeError as exc:
+                log.warning("LLMAdapter %s/%s: cannot write its status: %s",
+                            adapter.namespace, adapter.name, exc)  # fmt: skip
+
+    async def _list_adapters(self) -> list[dict[str, Any]]:
+        """The LLMAdapters of the watched namespaces; none where the CRD is not installed."""
+        items: list[dict[str, Any]] = []
+        namespaces: list[str | None] = [*self._namespaces] or [None]
+        for namespace in namespaces:
+            try:
+                items += (await self._kube.list(LLM_ADAPTERS, namespace)).items
+            except KubeError as exc:
+                if exc.status != 404:
+                    log.warning("cannot list LLMAdapters (%s): %s", namespace or "all", exc)
+        return items
+
+    async def _pod_names(
+        self, dep: LLMDeployment, cache: dict[tuple[str, str], dict[str, str]]
+    ) -> dict[str, str]:
+        """Engine pod names by their replica URL (as the gateways name replicas)."""
+        key = (dep.namespace, dep.name)
+        if key not in cache:
+            pods = (await self._kube.list(PODS, dep.namespace, dep.status.selector)).items
+            replicas = (r for r in map(replica_from_pod, pods) if r is not None)
+            cache[key] = {r.base_url: r.name for r in replicas if r.base_url}
+        return cache[key]
+
+    async def _write_adapter_status(self, item: dict[str, Any], patch: dict[str, Any]) -> None:
+        """The patch, on the condition that the adapter is still the one it was computed from
+        (`conditions` is written whole): a 409 leaves it to the next tick."""
+        meta = item["metadata"]
+        precondition = {"metadata": {"resourceVersion": meta["resourceVersion"]}}
+        try:
+            await self._kube.patch_status(
+                LLM_ADAPTERS, meta["namespace"], meta["name"], precondition | patch,
+                FIELD_MANAGER_AUTOSCALER,
+            )  # fmt: skip
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            log.info("LLMAdapter %s/%s changed meanwhile; its status is written next tick",
+                     meta["namespace"], meta["name"])  # fmt: skip
 
     async def _report_queue_depth(self, dep: LLMDeployment, stats: DeploymentStats | None) -> None:
         """`status.queueDepth`: requests waiting in the gateways, written only on change."""

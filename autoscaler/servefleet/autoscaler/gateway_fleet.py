@@ -43,6 +43,7 @@ def _sum_replicas(views: list[DeploymentStats]) -> list[GatewayReplicaStats]:
                     "outstanding": seen.outstanding + replica.outstanding,
                     "served": seen.served + replica.served,
                     "cap": max(seen.cap, replica.cap),
+                    "adapters": sorted(set(seen.adapters) | set(replica.adapters)),
                 }
             )
     return list(merged.values())
@@ -70,6 +71,9 @@ def _sum_deployment(views: list[DeploymentStats]) -> DeploymentStats:
             "ttft_p90_seconds": _max(v.ttft_p90_seconds for v in views),
             "ready_replicas": max(v.ready_replicas for v in views),
             "replicas": _sum_replicas(views),
+            "adapter_load_errors": {
+                name: why for v in views for name, why in v.adapter_load_errors.items()
+            },
         }
     )
 

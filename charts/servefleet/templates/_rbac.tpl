@@ -15,6 +15,15 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 - apiGroups: [servefleet.io]
   resources: [llmdeployments/scale]
   verbs: [patch]
+# Watch LLMAdapters (judged against their LLMDeployment, rendered into its route); patch
+# their annotations (kopf's handler state). Their Secrets are never read: see operator/README.
+- apiGroups: [servefleet.io]
+  resources: [llmadapters]
+  verbs: [get, list, watch, patch]
+# The Accepted condition and the adapter config's rank and target modules (merge patch).
+- apiGroups: [servefleet.io]
+  resources: [llmadapters/status]
+  verbs: [patch]
 # Owner references with blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
 - apiGroups: [servefleet.io]
   resources: [llmdeployments/finalizers]
@@ -88,6 +97,14 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 # status.queueDepth and, before a scale-down, status.podDeletionCosts (merge patch).
 - apiGroups: [servefleet.io]
   resources: [llmdeployments/status]
+  verbs: [patch]
+# Where each LLMAdapter is loaded (status.loadedReplicas, its Loaded condition), as the
+# gateways see it.
+- apiGroups: [servefleet.io]
+  resources: [llmadapters]
+  verbs: [list]
+- apiGroups: [servefleet.io]
+  resources: [llmadapters/status]
   verbs: [patch]
 # Engine pods: listed for replica states and addresses. Never written: the operator
 # applies the deletion-cost ranking.

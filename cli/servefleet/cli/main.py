@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("servefleet.cli.gateway_cmd", "run the tenant-facing gateway"),
     "autoscaler": ("servefleet.cli.autoscaler_cmd", "run the queue-depth autoscaler"),
     "operator": ("servefleet.cli.operator_cmd", "run the Kubernetes operator"),
-    "crd": ("servefleet.cli.crd_cmd", "generate or check the CRD from the pydantic spec"),
+    "crd": ("servefleet.cli.crd_cmd", "generate or check the CRDs from the pydantic spec"),
     "up": ("servefleet.cli.up_cmd", "run LLMDeployments on this machine (local mode)"),
     "sim": ("servefleet.cli.sim_cmd", "replay an access log through every scaling policy"),
     "model": ("servefleet.cli.fetch_cmd", "fetch a model source into a download cache"),

@@ -1,4 +1,4 @@
-"""`servefleet up FILE`: run LLMDeployments on this machine (local mode).
+"""`servefleet up FILE`: run LLMDeployments (and the LLMAdapters on them) on this machine.
 
 The banner with the `export`/curl lines is printed only once every deployment's warm
 replicas are ready, so the first request a newcomer copies from it is served, not refused
@@ -21,9 +21,24 @@ if TYPE_CHECKING:
     from servefleet.local.plane import LocalControlPlane
 
 
+def volume(text: str) -> tuple[str, str]:
+    """`CLAIM=DIR` → (claim, absolute folder); the folder must exist."""
+    claim, sep, folder = text.partition("=")
+    if not sep or not claim or not folder:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CLAIM=DIR")
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {path} is not a folder")
+    return claim, str(path)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("file", type=Path, help="YAML with one or more LLMDeployments (and optional Secrets)")
+    a(
+        "file",
+        type=Path,
+        help="YAML with one or more LLMDeployments (and optional Secrets and LLMAdapters)",
+    )
     a(
         "--host",
         default="127.0.0.1",
@@ -37,6 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="YAML with Secret documents for tenant keys (default: env, then FILE)",
     )
     a(
+        "--volume",
+        type=volume,
+        action="append",
+        default=[],
+        metavar="CLAIM=DIR",
+        help="serve PersistentVolumeClaim CLAIM from folder DIR: a pvc source (model or "
+        "LLMAdapter) reads its path inside it (repeatable; default: no claim is served)",
+    )
+    a(
         "--log-dir",
         type=Path,
         default=Path.home() / ".cache" / "servefleet" / "local" / "logs",
@@ -48,27 +72,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("servefleet.up")
-    from servefleet.api.manifests import ManifestError, load_llmdeployments
+    from servefleet.api.manifests import ManifestError, load_llmadapters, load_llmdeployments
+    from servefleet.local.adapters import check_local_adapters
     from servefleet.local.engine_command import ENGINE_HOST, LocalModeError, engine_command
     from servefleet.local.plane import LocalControlPlane, LocalOptions
     from servefleet.local.tenants import MissingSecretError, resolve_local_tenants
 
+    volumes = dict(args.volume)
     try:
         deployments = load_llmdeployments(args.file)
+        adapters = load_llmadapters(args.file)
         tenants = resolve_local_tenants(deployments, args.file, args.secrets)
         for dep in tenants.deployments:
-            engine_command(dep.spec, ENGINE_HOST, 0)  # reject what local mode cannot run, now
+            # Reject what local mode cannot run, now.
+            engine_command(dep.spec, ENGINE_HOST, 0, volumes=volumes)
+        check_local_adapters(adapters, tenants.deployments, volumes)
+        options = LocalOptions(
+            log_dir=args.log_dir, host=args.host, port=args.port, volumes=volumes
+        )
+        plane = LocalControlPlane(tenants.deployments, tenants, options, adapters)
+        plane.gateway_config()  # what the gateway would refuse (e.g. one name, two models)
     except (ManifestError, MissingSecretError, LocalModeError) as exc:
         log.error("%s", exc)
         return 2
+    except ValueError as exc:  # the gateway config's own checks, one line
+        log.error("%s", _one_line(exc))
+        return 2
     # A busy gateway port ends here, as one line (servefleet.cli.main reports ListenError).
-    listener = bind_listener(args.host, args.port)
-    plane = LocalControlPlane(
-        tenants.deployments,
-        tenants,
-        LocalOptions(log_dir=args.log_dir, host=args.host, port=args.port, listener=listener),
-    )
+    options.listener = bind_listener(args.host, args.port)
     return asyncio.run(serve_until_signal(plane))
+
+
+def _one_line(exc: ValueError) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+    return str(exc)
 
 
 def _starting_line(plane: LocalControlPlane) -> str:

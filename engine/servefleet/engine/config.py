@@ -58,6 +58,7 @@ class EngineConfig(BaseModel):
     enable_lora: bool = knob("enable_lora")
     max_loras: int = knob("max_loras")
     max_lora_rank: int = knob("max_lora_rank")
+    max_lora_memory: str = knob("max_lora_memory")
     drain_timeout: float = knob("drain_timeout")
     stall_timeout: float = knob("stall_timeout")
     prepare_timeout: float = knob("prepare_timeout")
@@ -90,6 +91,19 @@ class EngineConfig(BaseModel):
     def _memory(cls, value: str) -> str:
         parse_memory_size(value)  # the grammar engine.kvCacheMemory uses too
         return value
+
+    @field_validator("max_lora_memory")
+    @classmethod
+    def _lora_memory(cls, value: str) -> str:
+        if parse_memory_size(value).bytes is None:
+            raise ValueError(f"--max-lora-memory {value}: a size (1GiB, 512MB), not a fraction")
+        return value
+
+    @property
+    def lora_memory_bytes(self) -> int:
+        size = parse_memory_size(self.max_lora_memory).bytes
+        assert size is not None  # checked above
+        return size
 
     @property
     def name(self) -> str:

@@ -1,7 +1,9 @@
 """LoRA adapters over HTTP: vLLM's load and unload endpoints, and the model cards they add.
 
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` reads a PEFT directory on the
-engine's filesystem (off the event loop) and serves it as model `lora_name`;
+engine's filesystem (off the event loop) and serves it as model `lora_name`; a path
+`hf://repo@revision` or `s3://bucket/prefix/` (`servefleet.api.lora_source`, how the gateway
+names an adapter on Kubernetes) is fetched into the engine's cache first (`lora.remote`);
 `POST /v1/unload_lora_adapter {"lora_name"}` forgets it. Like every engine path but the
 probes they need the engine key: only the gateway and the operator call them, never a
 tenant. Without `--enable-lora` both answer 400 naming the flag.
@@ -17,8 +19,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 
 from servefleet.api.lora import LoadLoraAdapterRequest, LoraConfigError, UnloadLoraAdapterRequest
+from servefleet.api.lora_source import parse_remote_lora_path
+from servefleet.api.model_source import ModelSource
 from servefleet.api.openai_errors import OpenAIError
+from servefleet.engine.fetch import FetchError
 from servefleet.engine.lora.registry import AdapterNotFound, AdapterSlotsBusy, LoraRegistry
+from servefleet.engine.lora.remote import adapter_cache_root, fetch_adapter, fetched_directory
 from servefleet.engine.request_checks import model_not_found, parse
 
 if TYPE_CHECKING:
@@ -64,15 +70,17 @@ def add_lora_routes(app: FastAPI, state: ServingState) -> None:
             raise OpenAIError(
                 status=400, message="lora_name is the base model's name", param="lora_name"
             )
+        directory, remote = _where(body.lora_path)
         current = registry.get(body.lora_name)
-        if current is not None and not body.load_inplace and current.path != body.lora_path:
+        if current is not None and not body.load_inplace and current.path != str(directory):
             raise OpenAIError(
                 status=400,
                 message=f"adapter {body.lora_name!r} is loaded from {current.path}; "
                 "set load_inplace to replace it",
                 param="lora_name",
             )
-        directory = _directory(body.lora_path)
+        if remote is not None and (current is None or body.load_inplace):
+            directory = await _fetch(remote)
         try:
             adapter, loaded = await asyncio.to_thread(
                 registry.load, body.lora_name, directory, body.load_inplace
@@ -104,6 +112,36 @@ def add_lora_routes(app: FastAPI, state: ServingState) -> None:
             raise model_not_found(body.lora_name) from exc
         log.info("lora_unloaded name=%s", body.lora_name)
         return {"lora_name": body.lora_name, "unloaded": True}
+
+
+def _where(path: str) -> tuple[Path, ModelSource | None]:
+    """The folder `path` names, and the source to fetch into it first (None: a folder
+    already on the engine's disk)."""
+    try:
+        remote = parse_remote_lora_path(path)
+    except ValueError as exc:
+        message = str(exc).splitlines()[0]
+        raise OpenAIError(status=400, message=message, param="lora_path") from exc
+    if remote is None:
+        return _directory(path), None
+    return fetched_directory(remote, adapter_cache_root()), remote
+
+
+async def _fetch(source: ModelSource) -> Path:
+    """Download the adapter (a cache hit when another load did); a failure is a 400 when
+    asking again cannot help (not found, no access), else a 503 to retry."""
+    try:
+        return await asyncio.to_thread(fetch_adapter, source, adapter_cache_root())
+    except FetchError as exc:
+        if exc.permanent:
+            raise OpenAIError(
+                status=400, message=f"lora_path: {exc.message}", param="lora_path",
+                code="adapter_fetch_failed",
+            ) from exc  # fmt: skip
+        raise OpenAIError(
+            status=503, message=f"lora_path: {exc.message}", type="service_unavailable",
+            code="adapter_fetch_failed", headers={"Retry-After": "5"},
+        ) from exc  # fmt: skip
 
 
 def _directory(path: str) -> Path:

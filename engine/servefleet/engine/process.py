@@ -23,6 +23,7 @@ from servefleet.engine.kernels import (
     KernelUnavailableError,
     select_decode_kernel,
     select_fused_ops,
+    select_lora_kernel,
     select_matmul,
 )
 from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode
@@ -153,6 +154,7 @@ def load_for(config: EngineConfig) -> LoadedModel:
     # The fused ops go with the C matmuls: --matmul torch keeps the model all-PyTorch.
     fused = select_fused_ops(device) if matmul.name != "torch" else None
     loaded.model.set_fused_ops(fused)
+    loaded.model.set_lora_kernel(select_lora_kernel(device, matmul))
     packed = loaded.model.packed_summary()
     log.info(
         "model_loaded: model=%s dtype=%s device=%s decode_kernel=%s matmul=%s fused_ops=%s "

@@ -54,6 +54,7 @@ class AccessLog:
             ts=self._wall_clock() - (now - call.started),
             deployment=call.route.pool.name,
             model=call.route.pool.model,
+            adapter=call.route.adapter.name if call.route.adapter is not None else None,
             tenant=call.route.tenant,
             traffic_class="batch"
             if call.route.traffic_class is TrafficClass.BATCH

@@ -130,6 +130,7 @@ class CompletionHandler:
             call.tokens,
             call.affinity_key,
             retry_key(route.tenant, call.raw),
+            route.adapter.name if route.adapter is not None else None,
         )
         try:  # a client that leaves while queued gives its place back
             placed = await unless_client_leaves(pool.acquire(request), receive)

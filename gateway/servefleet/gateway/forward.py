@@ -12,10 +12,12 @@ generation.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.openai_errors import OpenAIError
+from servefleet.gateway.adapter_loads import LOAD_TIMEOUT_S, AdapterLoadFailed
 from servefleet.gateway.asgi import JSON, Receive, Send
 from servefleet.gateway.call import Call
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
@@ -88,7 +90,7 @@ class Forwarder:
                 return
             if failure is None:
                 break
-            if isinstance(failure, PoisonedRequest):  # the replica is fine: no one else gets it
+            if isinstance(failure, PoisonedRequest | AdapterLoadFailed):  # the replica is fine
                 pool.release(lease, ok=False)
                 failure.headers.update({k.decode(): v.decode() for k, v in call.rl_headers})
                 raise failure
@@ -219,7 +221,44 @@ class Forwarder:
     async def _attempt(
         self, pool: DeploymentPool, replica: Replica, call: Call, body: bytes
     ) -> tuple[UpstreamResponse | None, OpenAIError | None]:
-        """The replica's response, or why it gave none (a 5xx response is closed here)."""
+        """The replica's response, or why it gave none (a 5xx response is closed here). A
+        request for an adapter first has it loaded there; an engine that evicted it since
+        (404) gets it loaded once more."""
+        adapter = call.route.adapter
+        deadline_s = pool.config.admission.max_queue_wait
+        for attempt in (1, 2):
+            if adapter is not None:
+                post = self._poster(pool)
+                refused = await pool.adapter_loads.ensure(
+                    replica, adapter, post, deadline_s=deadline_s
+                )
+                if refused is not None:
+                    return None, refused
+            response, failure = await self._send(pool, replica, call, body)
+            if adapter is None or response is None or response.status != 404 or attempt == 2:
+                return response, failure
+            response.close()  # evicted since it was loaded: load it again, once
+            pool.adapter_loads.forget(replica, adapter.name)
+        raise AssertionError("unreachable")
+
+    def _poster(self, pool: DeploymentPool) -> Callable[[str, bytes], Awaitable[UpstreamResponse]]:
+        config = pool.config
+
+        def post(url: str, body: bytes) -> Awaitable[UpstreamResponse]:
+            return self._upstream.request(
+                "POST",
+                url,
+                body,
+                engine_headers(config),
+                connect_timeout=config.connect_timeout_seconds,
+                read_timeout=LOAD_TIMEOUT_S,
+            )
+
+        return post
+
+    async def _send(
+        self, pool: DeploymentPool, replica: Replica, call: Call, body: bytes
+    ) -> tuple[UpstreamResponse | None, OpenAIError | None]:
         config = pool.config
         call.timed_out = False
         try:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
 from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
 from servefleet.api.outcomes import Outcome
+from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
 from servefleet.gateway.measurements import Ewma, LatencyWindow, RateWindow
 from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
@@ -81,6 +82,7 @@ class DeploymentPool:
             LocalSpillBudget(spill.max_requests_per_minute, clock) if spill is not None else None
         )
         self._spill_tenants = frozenset(spill.tenants) if spill is not None else frozenset()
+        self.adapter_loads = AdapterLoads(clock)
         self.set_replicas(config.endpoints)
 
     def inherit(self, old: DeploymentPool) -> None:
@@ -88,6 +90,9 @@ class DeploymentPool:
         if old.replicas.replicas and self.config.service == old.config.service:
             ready = [e for e, r in old.replicas.replicas.items() if r.state is ReplicaHealth.READY]
             self.set_replicas(list(old.replicas.replicas), ready)
+            for endpoint, replica in self.replicas.replicas.items():
+                replica.adapters = set(old.replicas.replicas[endpoint].adapters)
+        self.adapter_loads = old.adapter_loads
         self.service_time = old.service_time
         self.cold_start = old.cold_start
         self.promises = old.promises
@@ -231,7 +236,9 @@ class DeploymentPool:
     def _dispatch_now(self, request: PoolRequest) -> Lease | None:
         now = self._clock()
         slack = self.routing.affinity_slack
-        replica = self.replicas.pick(request.affinity_key, now, slack=slack)
+        replica = self.replicas.pick(
+            request.affinity_key, now, slack=slack, adapter=request.adapter
+        )
         if replica is None:
             return None
         return self._lease(replica, request.tokens, now)
@@ -268,7 +275,7 @@ class DeploymentPool:
             now,
             weight=request.weight,
             future=future,
-            payload=(request.affinity_key, request.tokens),
+            payload=(request.affinity_key, request.tokens, request.adapter),
             promised=promised,
         )
         self.pump()
@@ -329,8 +336,10 @@ class DeploymentPool:
             future = entry.future
             if future is None or future.done():
                 continue
-            affinity_key, tokens = entry.payload
-            replica = self.replicas.pick(affinity_key, now, slack=self.routing.affinity_slack)
+            affinity_key, tokens, adapter = entry.payload
+            replica = self.replicas.pick(
+                affinity_key, now, slack=self.routing.affinity_slack, adapter=adapter
+            )
             if replica is None:  # cannot happen while free_slots > 0; keep the request safe
                 future.set_exception(_ShedWhileQueued(Shed(self._retry_after(now), "no replica")))
                 continue
@@ -403,4 +412,5 @@ class DeploymentPool:
             prompt_token_count="estimate" if self.token_counter is None else "tokenizer",
             ready_replicas=self.replicas.ready_count(now),
             replicas=self.replicas.stats(),
+            adapter_load_errors=self.adapter_loads.errors(),
         )

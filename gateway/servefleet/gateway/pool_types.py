@@ -22,6 +22,7 @@ class PoolRequest:
     tokens: int  # prompt + the completion budget: its cost in the queue and on a replica
     affinity_key: int | None
     retry_key: bytes | None = None  # tenant + body: known again when it comes back (retry_promises)
+    adapter: str | None = None  # the LoRA adapter it asks for: its holders are preferred
 
 
 @dataclass(slots=True, eq=False)

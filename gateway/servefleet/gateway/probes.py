@@ -2,6 +2,8 @@
 
 A 200 makes a starting (or draining) replica ready; anything else marks a ready one draining.
 An ejected replica is left alone until its back-off ends: the trial request decides then.
+A ready replica of a pool with LoRA adapters is also asked which adapters it holds
+(`GET /v1/models`), since engines evict them on their own.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from collections.abc import Callable, Iterable
 
 import httpx
 
+from servefleet.gateway.adapter_loads import refresh
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.routing import Replica
 
 log = logging.getLogger("servefleet.gateway.probes")
 
 PROBE_TIMEOUT_S = 2.0
+MODELS_PATH = "/v1/models"
 
 
 class ReplicaProber:
@@ -67,3 +71,20 @@ class ReplicaProber:
         except httpx.HTTPError:
             ready = False
         pool.probe_result(replica, ready)
+        if ready and pool.config.adapters:
+            await _refresh_adapters(client, pool, replica)
+
+
+async def _refresh_adapters(
+    client: httpx.AsyncClient, pool: DeploymentPool, replica: Replica
+) -> None:
+    """Which adapters the replica holds now (it evicts least-recently-used ones itself)."""
+    key = pool.config.engine_api_key
+    headers = {"authorization": f"Bearer {key.read()}"} if key is not None else {}
+    try:
+        resp = await client.get(replica.endpoint + MODELS_PATH, headers=headers)
+        cards = resp.json()["data"] if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        cards = None
+    if isinstance(cards, list):
+        refresh(replica, (c for c in cards if isinstance(c, dict)), pool.model)

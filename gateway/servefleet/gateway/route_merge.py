@@ -15,7 +15,8 @@ route, so a route is served only when
   static endpoints), its tokenizer is a built-in name (never a file of the gateway's), and it
   references only Secrets of its own namespace (never the gateway's files or environment).
 Its tenants and deployments are visible only within its namespace: they are renamed
-`<namespace>/<name>` (`conventions.route_scoped`; so are the metrics and stats series), a
+`<namespace>/<name>` (`conventions.route_scoped`; so are the metrics and stats series, and
+the tenants an adapter of the route lists), a
 tenant reaches only its own namespace's deployments, so no other namespace can squat a
 tenant, deployment or model name. A route that breaks a rule is rejected whole, with a
 reason; the rest are served. A spill-over target that is not a public address (unless the
@@ -211,7 +212,16 @@ def resolve_route(
     served = {t.name for t in tenants}
     deployments: list[GatewayDeployment] = []
     for deployment in route.config.deployments:
-        update: dict[str, Any] = {"tenants": [a for a in deployment.tenants if a.name in served]}
+        update: dict[str, Any] = {
+            "tenants": [a for a in deployment.tenants if a.name in served],
+            # An adapter keeps only tenants still served ([] stays "nobody", never "all").
+            "adapters": [
+                a.model_copy(update={"tenants": [t for t in a.tenants if t in served]})
+                if a.tenants is not None
+                else a
+                for a in deployment.adapters
+            ],
+        }
         spill_url = deployment.spillover.base_url if deployment.spillover else None
         refused = (spill_problems or {}).get(spill_url or "")
         if refused is not None:
@@ -256,6 +266,12 @@ def scope_route(route: Route, config: GatewayConfig) -> GatewayConfig:
             update={
                 "name": scoped(d.name),
                 "tenants": [a.model_copy(update={"name": scoped(a.name)}) for a in d.tenants],
+                "adapters": [
+                    a.model_copy(update={"tenants": [scoped(t) for t in a.tenants]})
+                    if a.tenants is not None
+                    else a
+                    for a in d.adapters
+                ],
             }
         )
         for d in config.deployments

@@ -13,7 +13,12 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from servefleet.api.gateway_config import GatewayConfig, GatewayDeployment
+from servefleet.api.gateway_config import (
+    GatewayAdapter,
+    GatewayConfig,
+    GatewayDeployment,
+    TenantAccess,
+)
 from servefleet.api.llmdeployment import TenantLimits
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.limits import Limiter, LimitPolicy, LimitScope, LocalLimiter
@@ -50,6 +55,7 @@ class TenantRoute:
     scopes: tuple[LimitScope, ...]
     metrics: TenantModelMetrics
     spill: SpillTarget | None
+    adapter: GatewayAdapter | None = None  # a LoRA adapter on the pool's base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +109,9 @@ def plan_pools(
 
 
 def _same_pool(old: GatewayDeployment, new: GatewayDeployment) -> bool:
-    """True when only the tenants' access changed: the pool itself can stay."""
-    return old.model_dump(exclude={"tenants"}) == new.model_dump(exclude={"tenants"})
+    """True when only the tenants' access or the adapters changed: the pool can stay."""
+    keep = {"tenants", "adapters"}
+    return old.model_dump(exclude=keep) == new.model_dump(exclude=keep)
 
 
 def build_route_table(
@@ -119,7 +126,7 @@ def build_route_table(
     )
     limits = {t.name: t.limits for t in config.tenants}
     routes: dict[tuple[str, str], TenantRoute] = {}
-    models: dict[str, list[str]] = {name: [] for name in limits}
+    models: dict[str, list[ModelCard]] = {name: [] for name in limits}
     for deployment in config.deployments:
         reader = PromptReader(
             chars_per_token=config.routing.chars_per_token,
@@ -127,20 +134,30 @@ def build_route_table(
             affinity_blocks=config.routing.affinity_blocks,
         )
         spill = _spill_target(deployment, environ)
-        for access in deployment.tenants:
-            model_limits = access.model_limits
-            scopes = _scopes(access.name, deployment.model, limits[access.name], model_limits)
-            routes[(access.name, deployment.model)] = TenantRoute(
-                access.name,
-                pools[deployment.name],
-                reader,
-                TrafficClass.parse(access.traffic_class),
-                access.weight,
-                scopes,
-                metrics.for_tenant(access.name, deployment.model),
-                spill,
-            )
-            models[access.name].append(deployment.model)
+        served: list[tuple[GatewayAdapter | None, list[TenantAccess]]] = [
+            (None, deployment.tenants)
+        ]
+        served += [(a, deployment.adapter_tenants(a)) for a in deployment.adapters]
+        for adapter, accesses in served:
+            model = deployment.model if adapter is None else adapter.name
+            for access in accesses:
+                # An adapter shares its base deployment's limits (one pool, one scope).
+                scopes = _scopes(
+                    access.name, deployment.model, limits[access.name], access.model_limits
+                )
+                routes[(access.name, model)] = TenantRoute(
+                    access.name,
+                    pools[deployment.name],
+                    reader,
+                    TrafficClass.parse(access.traffic_class),
+                    access.weight,
+                    scopes,
+                    metrics.for_tenant(access.name, model),
+                    spill if adapter is None else None,  # the hosted API has no fine-tune
+                    adapter,
+                )
+                parent = None if adapter is None else deployment.model
+                models[access.name].append(ModelCard(model, parent))
     return RouteTable(config, keys, dict(pools), routes, _model_lists(models))
 
 
@@ -167,18 +184,28 @@ def _policy(limits: TenantLimits) -> LimitPolicy:
     )
 
 
-def _model_lists(models: Mapping[str, list[str]]) -> dict[str, bytes]:
+@dataclass(frozen=True, slots=True, order=True)
+class ModelCard:
+    """A model a tenant may use; an adapter names its base model as `parent` (as vLLM)."""
+
+    id: str
+    parent: str | None = None
+
+    def body(self) -> dict[str, object]:
+        card: dict[str, object] = {
+            "id": self.id, "object": "model", "created": 0, "owned_by": "servefleet"
+        }  # fmt: skip
+        if self.parent is not None:
+            card |= {"parent": self.parent, "root": self.id}
+        return card
+
+
+def _model_lists(models: Mapping[str, list[ModelCard]]) -> dict[str, bytes]:
     return {
         tenant: json.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": m, "object": "model", "created": 0, "owned_by": "servefleet"}
-                    for m in sorted(names)
-                ],
-            }
+            {"object": "list", "data": [card.body() for card in sorted(cards)]}
         ).encode()
-        for tenant, names in models.items()
+        for tenant, cards in models.items()
     }
 
 

@@ -6,6 +6,11 @@ every gateway replica makes the same choice, so a prefix stays warm in one engin
 affine replica loses to the least-loaded one only when it is clearly busier (more than `slack`
 requests ahead of it) or full.
 
+A request for a LoRA adapter goes among the replicas that hold it (or are loading it), by the
+same rules; it goes to the least-loaded replica instead, which then loads the adapter too,
+when every holder is full or more than `slack` requests busier: a hot adapter spreads to a
+second replica exactly when its holder is the bottleneck.
+
 A replica that fails or times out is ejected for a back-off that doubles on each consecutive
 failure; after it, one trial request is let through (half-open). A replica that answers 503 is
 draining: it gets no new requests until its readiness probe says otherwise.
@@ -45,6 +50,11 @@ class Replica:
     first_seen: float = 0.0
     ready_at: float | None = None
     served: int = 0
+    adapters: set[str] = field(default_factory=set)  # LoRA adapters it holds (as last seen)
+    loading: set[str] = field(default_factory=set)  # adapters the gateway is loading there
+
+    def holds(self, adapter: str) -> bool:
+        return adapter in self.adapters or adapter in self.loading
 
     def routable(self, now: float) -> bool:
         if self.state is ReplicaHealth.READY:
@@ -115,6 +125,7 @@ class ReplicaSet:
                 outstanding=r.outstanding,
                 cap=r.cap,
                 served=r.served,
+                adapters=sorted(r.adapters),
             )
             for r in self.replicas.values()
         ]
@@ -134,32 +145,16 @@ class ReplicaSet:
         *,
         slack: int,
         exclude: Replica | None = None,
+        adapter: str | None = None,
     ) -> Replica | None:
-        least: Replica | None = None
-        affine: Replica | None = None
-        best_score = -1
-        for replica in self.replicas.values():
-            if replica is exclude or not replica.routable(now):
-                continue
-            if affinity_key is not None:
-                score = _mix(affinity_key, replica.seed)
-                if score > best_score:
-                    best_score, affine = score, replica
-            if replica.has_room() and (
-                least is None
-                or (replica.outstanding, replica.outstanding_tokens)
-                < (least.outstanding, least.outstanding_tokens)
-            ):
-                least = replica
-        if least is None:
-            return None
-        if (
-            affine is not None
-            and affine.has_room()
-            and affine.outstanding <= least.outstanding + slack
-        ):
-            return affine
-        return least
+        candidates = [r for r in self.replicas.values() if r is not exclude and r.routable(now)]
+        chosen = _choose(candidates, affinity_key, slack)
+        if adapter is None or chosen is None:
+            return chosen
+        holder = _choose([r for r in candidates if r.holds(adapter)], affinity_key, slack)
+        if holder is not None and holder.outstanding <= chosen.outstanding + slack:
+            return holder
+        return chosen
 
     def acquire(self, replica: Replica, tokens: int) -> None:
         replica.outstanding += 1
@@ -197,3 +192,27 @@ class ReplicaSet:
         elif replica.state is ReplicaHealth.READY:
             # Once ready, "not ready" means draining (or dying): stop sending to it.
             replica.state = ReplicaHealth.DRAINING
+
+
+def _choose(candidates: Iterable[Replica], affinity_key: int | None, slack: int) -> Replica | None:
+    """The affine replica unless it is full or more than `slack` requests busier than the
+    least-loaded one with room; None when no candidate has room."""
+    least: Replica | None = None
+    affine: Replica | None = None
+    best_score = -1
+    for replica in candidates:
+        if affinity_key is not None:
+            score = _mix(affinity_key, replica.seed)
+            if score > best_score:
+                best_score, affine = score, replica
+        if replica.has_room() and (
+            least is None
+            or (replica.outstanding, replica.outstanding_tokens)
+            < (least.outstanding, least.outstanding_tokens)
+        ):
+            least = replica
+    if least is None:
+        return None
+    if affine is not None and affine.has_room() and affine.outstanding <= least.outstanding + slack:
+        return affine
+    return least

@@ -13,6 +13,14 @@ def service_selector(service: str) -> str:
     return f"{LABEL_SERVICE_NAME}={service}"
 
 
+def address_url(address: str, port: int | str, scheme: str = "http") -> str:
+    """An IP address and port as a base URL, an IPv6 one in brackets: how the gateway names a
+    replica (from an EndpointSlice) and the autoscaler a pod (from its podIP), so that the
+    two names of one replica are the same string."""
+    host = f"[{address}]" if ":" in address else address
+    return f"{scheme}://{host}:{port}"
+
+
 def slice_endpoints(
     endpoint_slice: dict[str, Any], port_name: str | None, scheme: str = "http"
 ) -> tuple[list[str], list[str]]:
@@ -34,8 +42,7 @@ def slice_endpoints(
         if conditions.get("terminating"):
             continue
         for address in endpoint.get("addresses") or []:
-            host = f"[{address}]" if ":" in address else address
-            url = f"{scheme}://{host}:{port}"
+            url = address_url(address, port, scheme)
             every.append(url)
             if conditions.get("ready", True):
                 ready.append(url)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from servefleet.api.llmadapter import ADAPTER_KIND, ADAPTER_PLURAL
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, PLURAL
 
 from .errors import KubeError
@@ -52,6 +53,7 @@ SERVICE_MONITORS = Resource(
     api_version="monitoring.coreos.com/v1", kind="ServiceMonitor", plural="servicemonitors"
 )
 LLM_DEPLOYMENTS = Resource(api_version=FULL_API_VERSION, kind=KIND, plural=PLURAL)
+LLM_ADAPTERS = Resource(api_version=FULL_API_VERSION, kind=ADAPTER_KIND, plural=ADAPTER_PLURAL)
 
 KNOWN: dict[tuple[str, str], Resource] = {
     (r.api_version, r.kind): r
@@ -67,6 +69,7 @@ KNOWN: dict[tuple[str, str], Resource] = {
         NETWORK_POLICIES,
         SERVICE_MONITORS,
         LLM_DEPLOYMENTS,
+        LLM_ADAPTERS,
     )
 }
 

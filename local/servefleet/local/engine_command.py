@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from servefleet.api.engines import EngineListen, engine_adapter
 from servefleet.api.llmdeployment import LLMDeploymentSpec
+from servefleet.api.local_volumes import local_pvc_folder
 
 # Local engines listen on loopback only, whatever address the gateway has: nothing on this
 # machine's network reaches them, and what runs on it needs the run's engine key.
@@ -33,26 +35,34 @@ def servefleet_executable() -> list[str]:
     return [sys.executable, "-m", "servefleet.cli.main"]
 
 
-def model_argument(spec: LLMDeploymentSpec) -> str:
+def model_argument(spec: LLMDeploymentSpec, volumes: Mapping[str, str] | None = None) -> str:
+    """The engine's --model here: a built-in name, or the folder a pvc source names on this
+    machine (its claim mapped with `--volume CLAIM=DIR`, `servefleet.api.local_volumes`)."""
     source = spec.model.source
     if source.builtin is not None:
         return source.builtin
     if source.pvc is not None:
-        folder = Path(source.pvc.path)
-        if not folder.is_absolute():
-            raise LocalModeError(
-                "model.source.pvc in local mode: set pvc.path to an absolute folder on this machine"
-            )
-        return str(folder)
+        try:
+            return local_pvc_folder(source.pvc, volumes or {}, "model.source.pvc")
+        except ValueError as exc:  # an unmapped claim, or a relative folder
+            raise LocalModeError(str(exc)) from None
     raise LocalModeError(
         f"model.source.{source.kind} is not fetched in local mode; fetch it with "
-        "`servefleet model fetch --source JSON --cache DIR` and use model.source.pvc.path "
-        "(the absolute path it prints) or a builtin model"
+        "`servefleet model fetch --source JSON --cache DIR` and serve the folder it prints "
+        "with model.source.pvc (pvc.path inside a claim mapped by `--volume CLAIM=DIR`) or "
+        "use a builtin model"
     )
 
 
-def engine_command(spec: LLMDeploymentSpec, host: str, port: int) -> list[str]:
-    """The adapter's command and arguments (as a pod gets them), listening on `host:port`."""
+def engine_command(
+    spec: LLMDeploymentSpec,
+    host: str,
+    port: int,
+    *,
+    volumes: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The adapter's command and arguments (as a pod gets them), listening on `host:port`;
+    `volumes` maps pvc claims to folders of this machine."""
     if spec.engine.kind != "servefleet":
         raise LocalModeError(
             f"engine.kind {spec.engine.kind} runs only on Kubernetes; local mode runs servefleet"
@@ -60,5 +70,5 @@ def engine_command(spec: LLMDeploymentSpec, host: str, port: int) -> list[str]:
     adapter = engine_adapter(spec.engine.kind)
     # The pod's command names the `servefleet` script; here it is this installation's.
     subcommand = list(adapter.command[1:])
-    args = adapter.args(spec, model_argument(spec), EngineListen(host=host, port=port))
+    args = adapter.args(spec, model_argument(spec, volumes), EngineListen(host=host, port=port))
     return [*servefleet_executable(), *subcommand, *args]

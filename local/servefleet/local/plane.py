@@ -27,6 +27,7 @@ from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_render import ResolvedSecretKeys, render_gateway_config
 from servefleet.api.http_protocol import BoundedHeadProtocol
+from servefleet.api.llmadapter import LLMAdapter
 from servefleet.api.llmdeployment import LLMDeployment, LLMDeploymentSpec, SecretKeyRef
 from servefleet.autoscaler.controller import DeploymentAutoscaler
 from servefleet.autoscaler.observe import InProcessGatewaySource, observe_deployment
@@ -65,12 +66,22 @@ class LocalOptions:
     log_dir: Path
     host: str = "127.0.0.1"
     port: int = 8080
-    engine_command: EngineCommand = engine_command
+    # None: the real engine (`engine_command.engine_command`, with `volumes`); tests fake it.
+    engine_command: EngineCommand | None = None
     stop_timeout_s: float = 5.0
     env: dict[str, str] | None = None
     # The gateway's socket, bound by the caller before anything starts (a busy port is then
     # one line, not a half-started plane); None: uvicorn binds host:port itself.
     listener: socket.socket | None = None
+    # Folders standing for PersistentVolumeClaims (`--volume CLAIM=DIR`): pvc sources of
+    # models and adapters are read there (`servefleet.api.local_volumes`).
+    volumes: dict[str, str] = field(default_factory=dict)
+
+    def engine_argv(self, spec: LLMDeploymentSpec, port: int) -> list[str]:
+        """One replica's command line, listening on loopback at `port`."""
+        if self.engine_command is not None:
+            return self.engine_command(spec, ENGINE_HOST, port)
+        return engine_command(spec, ENGINE_HOST, port, volumes=self.volumes)
 
 
 @dataclass
@@ -78,6 +89,8 @@ class LocalControlPlane:
     deployments: list[LLMDeployment]
     tenants: LocalTenants
     options: LocalOptions
+    adapters: list[LLMAdapter] = field(default_factory=list)
+    """LLMAdapters served on `deployments` (checked by `local.adapters` before the start)."""
     metrics: AutoscalerMetrics = field(default_factory=AutoscalerMetrics)
     capacity: LocalCapacity = field(default_factory=LocalCapacity)
     supervisors: dict[str, DeploymentSupervisor] = field(default_factory=dict)
@@ -108,6 +121,8 @@ class LocalControlPlane:
             host=opts.host,
             port=opts.port,
             allowed_replica_networks=LOOPBACK_NETWORKS,
+            adapters=self.adapters,
+            local_volumes=opts.volumes,
         )
 
     def engine_env(self, spec: LLMDeploymentSpec) -> dict[str, str]:
@@ -148,7 +163,7 @@ class LocalControlPlane:
         opts, spec, name = self.options, dep.spec, dep.name
         supervisor = DeploymentSupervisor(
             name,
-            lambda port: opts.engine_command(spec, ENGINE_HOST, port),
+            lambda port: opts.engine_argv(spec, port),
             host=ENGINE_HOST,  # whatever address the gateway listens on
             log_dir=opts.log_dir,
             on_change=lambda endpoints, ready: gateway.set_replicas(name, endpoints, ready),
@@ -235,6 +250,13 @@ def banner(plane: LocalControlPlane) -> str:
             f"  {dep.name}: model {dep.spec.model.name}, replicas "
             f"{pool.min_replicas}..{pool.max_replicas} (warm {dep.spec.desired_replicas()})"
         )
+        served = [
+            a.served_name
+            for a in plane.adapters
+            if (a.namespace, a.spec.deployment) == (dep.namespace, dep.name)
+        ]
+        if served:
+            lines.append(f"    adapters (loaded on demand): {', '.join(served)}")
     if plane.tenants.demo_key is not None:
         lines.append("  tenant: demo (created for this run; its key is below)")
     lines += [

@@ -21,12 +21,14 @@ from servefleet.api.conventions import (
     LABEL_APP_MANAGED_BY,
     LABEL_DEPLOYMENT,
 )
+from servefleet.api.llmadapter import ADAPTER_PLURAL, LLMAdapter
 from servefleet.api.llmdeployment import API_GROUP, API_VERSION, PLURAL, LLMDeployment
 from servefleet.kube import KubeAccess, KubeError
 from servefleet.operator.reconciler import OperatorSettings, Reconciler
 
 log = logging.getLogger("servefleet.operator")
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
+ADAPTER_RESOURCE = (API_GROUP, API_VERSION, ADAPTER_PLURAL)
 GetReconciler = Callable[[], Awaitable[Reconciler]]
 
 
@@ -44,12 +46,25 @@ def parse_body(body: kopf.Body) -> LLMDeployment:
     try:
         return LLMDeployment.model_validate(plain(body))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-            for e in exc.errors()
-        )
-        kopf.warn(body, reason="InvalidSpec", message=problems)
-        raise kopf.PermanentError(f"invalid spec: {problems}") from exc
+        raise _invalid(body, exc) from exc
+
+
+def parse_adapter(body: kopf.Body) -> LLMAdapter:
+    """An LLMAdapter body as our model; as `parse_body`."""
+    try:
+        return LLMAdapter.model_validate(plain(body))
+    except ValidationError as exc:
+        raise _invalid(body, exc) from exc
+
+
+def _invalid(body: kopf.Body, exc: ValidationError) -> kopf.PermanentError:
+    """An InvalidSpec Warning on the object, and the error that stops kopf's retries."""
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
+    kopf.warn(body, reason="InvalidSpec", message=problems)
+    return kopf.PermanentError(f"invalid spec: {problems}")
 
 
 def build_registry(settings: OperatorSettings, access: KubeAccess) -> kopf.OperatorRegistry:
@@ -64,6 +79,7 @@ def build_registry(settings: OperatorSettings, access: KubeAccess) -> kopf.Opera
     _register_lifecycle(registry, shared)
     _register_deployment_handlers(registry, shared.get)
     _register_engine_watch(registry, shared.get)
+    _register_adapter_handlers(registry, shared.get)
     return registry
 
 
@@ -158,6 +174,50 @@ def _register_deployment_handlers(
     @kopf.on.delete(*RESOURCE, id=FORGET_HANDLER, registry=registry, optional=True)
     async def forget(name: str, namespace: str | None, **_: Any) -> None:
         (await reconciler()).forget(namespace or "", name)
+
+    @kopf.on.event(*RESOURCE, registry=registry)
+    async def deployment_deleted(
+        name: str, namespace: str | None, type: str | None, **_: Any
+    ) -> None:
+        """Its adapters are refused at once (no finalizer, so no delete handler runs)."""
+        if type == "DELETED":
+            await _quietly((await reconciler()).repair(namespace or "", name), namespace, name)
+
+
+ADAPTER_HANDLER = "adapter"
+
+
+def _register_adapter_handlers(registry: kopf.OperatorRegistry, reconciler: GetReconciler) -> None:
+    """An LLMAdapter created, changed, resumed or deleted: its deployment is reconciled
+    (the adapters of the namespace judged, its route rendered), and the one it named before
+    when spec.deployment changed. Statuses go through our client (`adapter_sync`)."""
+
+    @kopf.on.resume(*ADAPTER_RESOURCE, id=ADAPTER_HANDLER, registry=registry)
+    @kopf.on.create(*ADAPTER_RESOURCE, id=ADAPTER_HANDLER, registry=registry)
+    @kopf.on.update(*ADAPTER_RESOURCE, id=ADAPTER_HANDLER, field="spec", registry=registry)
+    async def adapter_spec(body: kopf.Body, old: Any, **_: Any) -> None:
+        adapter = parse_adapter(body)
+        before = (old or {}).get("deployment") if isinstance(old, Mapping) else None
+        r = await reconciler()
+        for name in sorted({adapter.spec.deployment, *([before] if before else [])}):
+            await r.repair(adapter.namespace, name)
+
+    @kopf.on.event(*ADAPTER_RESOURCE, registry=registry)
+    async def adapter_deleted(body: kopf.Body, type: str | None, **_: Any) -> None:
+        """Out of its deployment's route at once (no finalizer: no delete handler runs)."""
+        deployment = (body.get("spec") or {}).get("deployment")
+        namespace = body.get("metadata", {}).get("namespace")
+        if type == "DELETED" and deployment and namespace:
+            repair = (await reconciler()).repair(namespace, deployment)
+            await _quietly(repair, namespace, deployment)
+
+
+async def _quietly(work: Awaitable[None], namespace: str | None, name: str) -> None:
+    """Event handlers are not retried by kopf: a failure is logged, the drift pass retries."""
+    try:
+        await work
+    except (kopf.TemporaryError, KubeError) as exc:
+        log.warning("repair of %s/%s: %s (the drift-repair pass retries)", namespace, name, exc)
 
 
 def engine_needs_repair(body: Mapping[str, Any], event_type: str | None) -> bool:

@@ -31,6 +31,15 @@ def user_env(dep: LLMDeployment) -> list[dict[str, Any]]:
     return out
 
 
+def lora_env(dep: LLMDeployment, adapter: EngineAdapter) -> list[dict[str, Any]]:
+    """What the engine kind needs in its environment to serve adapters (`engine.lora` set),
+    e.g. vLLM's switch for its load/unload endpoints; a name the user's env sets is left to it."""
+    if dep.spec.engine.lora is None:
+        return []
+    own = {var.name for var in dep.spec.engine.env}
+    return [{"name": k, "value": v} for k, v in adapter.lora_env if k not in own]
+
+
 def probes(adapter: EngineAdapter, startup_timeout: int) -> dict[str, Any]:
     def http(path: str) -> dict[str, Any]:
         return {"path": path, "port": ENGINE_PORT_NAME}

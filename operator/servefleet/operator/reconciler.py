@@ -19,10 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretBytes, ValidationError
 
 from servefleet.api.conventions import FIELD_MANAGER_OPERATOR, POD_DELETION_COST
 from servefleet.api.fetch_progress import FETCH_CONTAINER
+from servefleet.api.llmadapter import LLMAdapter
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
 from servefleet.kube import KubeClient, KubeError
 from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, PODS, SERVICE_MONITORS
 from servefleet.operator import render
+from servefleet.operator.adapter_sync import AdapterSync, NamespaceAdapters
 from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
 from servefleet.operator.policy import default_allowed_images
 from servefleet.operator.status import (
@@ -99,6 +101,7 @@ class Reconciler:
         )
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._service_monitor: tuple[float, bool] | None = None
+        self.adapters = AdapterSync(client, self.post_event, _now)
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -126,25 +129,47 @@ class Reconciler:
             self._service_monitor = (now, exists)
         return self._service_monitor[1]
 
-    async def reconcile(self, dep: LLMDeployment) -> None:
-        """Apply every child, then write status. Raises kopf.TemporaryError to retry.
+    async def reconcile(self, dep: LLMDeployment, *, follow: bool = True) -> None:
+        """Judge the namespace's LLMAdapters, apply every child (the route with the adapters
+        accepted for `dep`), then write status. Raises kopf.TemporaryError to retry.
 
         A spec the admin's lists refuse (`policy`) applies nothing, so what runs keeps the
         last accepted spec; Degraded and a Warning Event say why (no retry: the drift-repair
-        pass looks again, e.g. after the lists changed)."""
+        pass looks again, e.g. after the lists changed). With `follow`, other deployments
+        whose accepted adapters this pass changed are reconciled next (once, no further)."""
+        judged: NamespaceAdapters | None = None
         async with self._lock(dep.namespace, dep.name):
             refused = render.refusal(dep, self.render_settings)
-            error = None if refused is not None else await self._apply_children(dep)
+            try:
+                judged = await self.adapters.judge_namespace(dep.namespace)
+                error = None
+            except KubeError as exc:  # a route from a partial picture would drop adapters
+                error = f"listing the LLMAdapters of {dep.namespace}: {exc.message}"
+            if refused is None and judged is not None:
+                error = await self._apply_children(dep, judged.accepted.get(dep.name, []))
             why = None if refused is None else (refused.reason, refused.message)
             await self._write_status(dep, error, why)
         if refused is not None:
             log.warning("%s/%s refused: %s", dep.namespace, dep.name, refused.message)
+        if follow and judged is not None:
+            await self._follow(dep.namespace, judged.changed - {dep.name})
         if error:
             raise kopf.TemporaryError(error, delay=10)
 
-    async def _apply_children(self, dep: LLMDeployment) -> str | None:
+    async def _follow(self, namespace: str, deployments: set[str]) -> None:
+        """Reconcile the deployments whose routes a judgement made stale (no further)."""
+        for name in sorted(deployments):
+            try:
+                await self.repair(namespace, name, follow=False)
+            except (kopf.TemporaryError, KubeError) as exc:
+                log.warning("adapters of %s/%s: %s (the drift-repair pass retries)",
+                            namespace, name, exc)  # fmt: skip
+
+    async def _apply_children(self, dep: LLMDeployment, adapters: list[LLMAdapter]) -> str | None:
         """The engine key, spec.replicas, deletion costs, then every child; the error, if any."""
-        children = render.children(dep, self.render_settings, await self._with_service_monitor())
+        children = render.children(
+            dep, self.render_settings, await self._with_service_monitor(), adapters
+        )
         try:
             await self._ensure_engine_key(dep)
             await self._ensure_replicas(dep)
@@ -210,14 +235,22 @@ class Reconciler:
             if meta.get("deletionTimestamp"):
                 continue
             try:
-                await self.reconcile(LLMDeployment.model_validate(body))
+                await self.reconcile(LLMDeployment.model_validate(body), follow=False)
             except ValidationError:
                 continue  # reported by the spec handlers as InvalidSpec
             except (kopf.TemporaryError, KubeError) as exc:
                 log.warning(
                     "drift repair of %s/%s: %s", meta.get("namespace"), meta.get("name"), exc
                 )
+        await self._judge_orphans({str(b.get("metadata", {}).get("namespace")) for b in items})
         return len(items)
+
+    async def _judge_orphans(self, judged: set[str]) -> None:
+        """Adapters in namespaces without a deployment (none reconciled judged them)."""
+        namespaces: list[str | None] = [*self.settings.namespaces] or [None]
+        for namespace in namespaces:
+            for other in sorted(await self.adapters.namespaces_with_adapters(namespace) - judged):
+                await self.adapters.judge_namespace(other)
 
     async def resync_forever(self) -> None:
         """Drift repair: re-apply every child on a period, so an edited or deleted child is
@@ -251,10 +284,15 @@ class Reconciler:
         except ValidationError:
             return None
 
-    async def repair(self, namespace: str, name: str) -> None:
-        """Reconcile one LLMDeployment now (a child of it was changed or deleted)."""
+    async def repair(self, namespace: str, name: str, *, follow: bool = True) -> None:
+        """Reconcile one LLMDeployment now (a child or an adapter of it changed, or it was
+        deleted: then its adapters are judged, and refused, without it)."""
         if dep := await self._read_live(namespace, name):
-            await self.reconcile(dep)
+            await self.reconcile(dep, follow=follow)
+            return
+        judged = await self.adapters.judge_namespace(namespace)
+        if follow:
+            await self._follow(namespace, judged.changed - {name})
 
     async def refresh_status(self, namespace: str, name: str) -> None:
         """Recompute status from the cluster (after an engine Deployment changed)."""

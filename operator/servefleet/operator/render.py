@@ -10,6 +10,7 @@ autoscaler makes the idlest replica the one removed on scale-down).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from servefleet.api.engine_resources import engine_resources
 from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import ServiceRef
 from servefleet.api.gateway_render import MountedSecretKeys, render_gateway_config
+from servefleet.api.llmadapter import LLMAdapter
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
 from servefleet.api.route_signature import route_signature
 from servefleet.operator.isolation import (
@@ -62,6 +64,7 @@ from servefleet.operator.model_init import model_location
 from servefleet.operator.placement import placement
 from servefleet.operator.pod_parts import (
     EXIT_GRACE_SECONDS,
+    lora_env,
     probes,
     seed_container,
     user_env,
@@ -185,7 +188,12 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": adapter.port, "protocol": "TCP"}],
         **probes(adapter, engine.startup_timeout_seconds),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-        "env": [*engine_key_env(dep, adapter), *scratch_env(dep), *user_env(dep)],
+        "env": [
+            *engine_key_env(dep, adapter),
+            *scratch_env(dep),
+            *lora_env(dep, adapter),
+            *user_env(dep),
+        ],
         "volumeMounts": mounts,
     }
     if asked := resources.container():
@@ -301,10 +309,12 @@ def service_monitor(dep: LLMDeployment) -> dict[str, Any]:
     }
 
 
-def gateway_config(dep: LLMDeployment) -> dict[str, Any]:
+def gateway_config(dep: LLMDeployment, adapters: Sequence[LLMAdapter] = ()) -> dict[str, Any]:
     """This deployment's fragment of the gateway config, rendered by the gateway's own
     `render_gateway_config` (one model for Kubernetes and local mode). Keys stay Secret
-    *references*: files under SECRETS_MOUNT/<namespace>/<secret>/<key>, never values."""
+    *references*: files under SECRETS_MOUNT/<namespace>/<secret>/<key>, never values.
+    `adapters` are the LLMAdapters accepted for it (`adapter_checks`): each with the
+    `lora_path` its engine pods load it from (`api.lora_source`)."""
     config = render_gateway_config(
         [dep],
         {},
@@ -315,12 +325,21 @@ def gateway_config(dep: LLMDeployment) -> dict[str, Any]:
             )
         },
         engine_keys={dep.name: engine_key_ref(dep)},
+        adapters=adapters,
     )
     result: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
+    # No adapters: the route stays what it was before adapters existed (same bytes, same
+    # signature), so an upgrade re-signs nothing and a gateway not yet upgraded (which
+    # forbids unknown keys) keeps serving it.
+    for deployment in result["deployments"]:
+        if not deployment.get("adapters"):
+            deployment.pop("adapters", None)
     return result
 
 
-def gateway_route_configmap(dep: LLMDeployment, signing_key: bytes) -> dict[str, Any]:
+def gateway_route_configmap(
+    dep: LLMDeployment, signing_key: bytes, adapters: Sequence[LLMAdapter] = ()
+) -> dict[str, Any]:
     """The route as a ConfigMap the gateway watches (ROUTE_LABEL_SELECTOR): ROUTE_GATEWAY_KEY
     is this deployment's GatewayConfig fragment, signed (ANNOTATION_ROUTE_SIGNATURE) over
     its namespace, name, owner and data: the gateway serves no route the operator did not
@@ -336,7 +355,7 @@ def gateway_route_configmap(dep: LLMDeployment, signing_key: bytes) -> dict[str,
         route_name(dep),
         {LABEL_COMPONENT: COMPONENT_GATEWAY_ROUTE, LABEL_GATEWAY_ROUTE: "true"},
     )
-    data = {ROUTE_GATEWAY_KEY: dump(gateway_config(dep))}
+    data = {ROUTE_GATEWAY_KEY: dump(gateway_config(dep, adapters))}
     owner = meta["ownerReferences"][0]["uid"]
     signature = route_signature(signing_key, dep.namespace, meta["name"], owner, data)
     meta["annotations"] = {ANNOTATION_ROUTE_SIGNATURE: signature}
@@ -344,11 +363,15 @@ def gateway_route_configmap(dep: LLMDeployment, signing_key: bytes) -> dict[str,
 
 
 def children(
-    dep: LLMDeployment, settings: RenderSettings, with_service_monitor: bool
+    dep: LLMDeployment,
+    settings: RenderSettings,
+    with_service_monitor: bool,
+    adapters: Sequence[LLMAdapter] = (),
 ) -> list[dict[str, Any]]:
-    """Every child object of one LLMDeployment, in apply order."""
+    """Every child object of one LLMDeployment, in apply order (`adapters`: those accepted
+    for it, in its route)."""
     objects = [
-        gateway_route_configmap(dep, settings.route_signing_key),
+        gateway_route_configmap(dep, settings.route_signing_key, adapters),
         headless_service(dep),
         engine_deployment(dep, settings),
         pod_disruption_budget(dep),

@@ -1,9 +1,10 @@
 """S3-compatible downloads (AWS, MinIO, Ceph): one object, or every object under a prefix.
 
 Credentials come the way boto3 finds them (the AWS_* variables the operator sets from
-the deployment's Secret, or the pod's own identity). Objects already complete in the
-partial folder are skipped and a cut-off one continues with a ranged GET, so a restarted
-fetch resumes.
+the deployment's Secret, or the pod's own identity); with none at all the requests go
+unsigned, as for a public bucket (an engine fetching an adapter holds no credentials).
+Objects already complete in the partial folder are skipped and a cut-off one continues
+with a ranged GET, so a restarted fetch resumes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
@@ -49,11 +51,13 @@ class S3Download:
 
     def __init__(self, source: S3Source) -> None:
         self.source = source
-        self._client: Any = boto3.client(
-            "s3",
-            endpoint_url=source.endpoint,
-            region_name=source.region,
-            config=Config(retries={"mode": "standard", "max_attempts": 3}),
+        config = Config(retries={"mode": "standard", "max_attempts": 3})
+        session = boto3.Session()  # resolves credentials once (the client reuses them)
+        self.anonymous = session.get_credentials() is None
+        if self.anonymous:
+            config = config.merge(Config(signature_version=UNSIGNED))
+        self._client: Any = session.client(
+            "s3", endpoint_url=source.endpoint, region_name=source.region, config=config
         )
         self._objects: list[_Object] | None = None
 
@@ -68,6 +72,8 @@ class S3Download:
             code = str(error.get("Code", ""))
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             detail = error.get("Message") or code
+            if self.anonymous and str(status) in ("401", "403"):
+                detail += " (no S3 credentials found: the request was sent unsigned)"
             return FetchError(
                 f"{self._what()}: {code or status}: {detail}",
                 permanent=code in PERMANENT_CODES or str(status) in PERMANENT_CODES,

@@ -16,6 +16,7 @@ import torch
 
 from servefleet.engine.attention import DecodeKernel, torch_paged_decode
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, load_cpu_fused_ops
+from servefleet.engine.kernels.cpu_lora import CpuLoraKernel
 from servefleet.engine.kernels.cpu_paged_decode import load_cpu_paged_decode
 from servefleet.engine.kernels.cpu_small_gemm import (
     ISA_CAP_ENV,
@@ -24,6 +25,7 @@ from servefleet.engine.kernels.cpu_small_gemm import (
     IsaCap,
     load_cpu_small_gemm,
 )
+from servefleet.engine.kernels.lora_layout import LoraKernel
 from servefleet.engine.kernels.matmul import (
     BF16_MIN_ROWS,
     TORCH_MATMUL,
@@ -31,6 +33,7 @@ from servefleet.engine.kernels.matmul import (
     SmallRowsMatmul,
     TorchMatmul,
 )
+from servefleet.engine.kernels.triton_lora import TRITON_LORA
 from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode, triton_unavailable
 
 logger = logging.getLogger("servefleet.engine.kernels")
@@ -136,6 +139,25 @@ def select_fused_ops(device: torch.device | str) -> CpuFusedOps | None:
 
 
 @functools.cache
+def _cpu_lora(kernel: CpuSmallGemm) -> CpuLoraKernel:
+    return CpuLoraKernel(kernel)
+
+
+def select_lora_kernel(device: torch.device | str, matmul: Matmul) -> LoraKernel | None:
+    """Where a step's LoRA products go: on CPU the C kernel of the C matmuls' library (so
+    `--matmul torch` keeps the adapters in PyTorch too, and the one-call decode program can
+    call it), on CUDA the Triton kernel where Triton runs, else None (PyTorch)."""
+    device_type = torch.device(device).type
+    kernel: LoraKernel | None = None
+    if isinstance(matmul, SmallRowsMatmul) and device_type == "cpu":
+        kernel = _cpu_lora(matmul.kernel)
+    elif device_type == "cuda" and triton_unavailable(device_type) is None:
+        kernel = TRITON_LORA
+    logger.info("LoRA kernel for %s: %s", device_type, "torch" if kernel is None else kernel.name)
+    return kernel
+
+
+@functools.cache
 def _select_matmul(device_type: str, prefer: str, dtype: torch.dtype) -> Matmul:
     if prefer not in ("auto", *MATMUL_NAMES):
         raise ValueError(
@@ -185,16 +207,19 @@ __all__ = [
     "SMALL_MM_MAX_ROWS",
     "TORCH_MATMUL",
     "CpuFusedOps",
+    "CpuLoraKernel",
     "CpuSmallGemm",
     "DecodeKernel",
     "KernelName",
     "KernelUnavailableError",
+    "LoraKernel",
     "Matmul",
     "MatmulName",
     "SmallRowsMatmul",
     "TorchMatmul",
     "select_decode_kernel",
     "select_fused_ops",
+    "select_lora_kernel",
     "select_matmul",
     "select_small_mm",
     "torch_paged_decode",

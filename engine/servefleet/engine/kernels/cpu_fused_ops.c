@@ -227,6 +227,27 @@ typedef struct {
 #define SF_PACKED_MM(m, x, w, out, rows, k, n, threads) \
     (m)->packed_mm((x), (w).data, (w).formats, (w).offsets, (out), (rows), (k), (n), (threads))
 
+/* The step's LoRA adapters (sf_lora_add of the matmul library, sf_lora.h): each row's slot
+ * (-1: none) and the slots' table [slots, layers, 4 projections, fields]. */
+typedef int (*sf_lora_add_fn)(const float *, float *, int64_t, int64_t, int64_t,
+                              const int32_t *, const int64_t *, int64_t, int64_t, int, int);
+typedef struct {
+    sf_lora_add_fn add;
+    const int32_t *row_slots;
+    const int64_t *table;
+    int64_t num_slots, fields;
+    int32_t wdtype;
+} sf_lora_step;
+
+/* out += the adapters' deltas for projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l:
+ * after the matmul and its bias, as the Python path adds them (DecoderLayer._mm). */
+#define SF_LORA(lora, l, proj, x, out, rows, k, n, num_layers, threads)                    \
+    ((lora) == NULL ? 0                                                                   \
+                    : (lora)->add((x), (out), (rows), (k), (n), (lora)->row_slots,       \
+                                  (lora)->table + ((l) * 4 + (proj)) * (lora)->fields,    \
+                                  (lora)->num_slots, (num_layers) * 4 * (lora)->fields,   \
+                                  (lora)->wdtype, (threads)))
+
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
     int64_t block_size, num_blocks, table_rows;
@@ -238,12 +259,14 @@ typedef struct {
 } sf_model;
 
 /* hidden [D, hidden] (the token embeddings; updated in place as the residual stream),
- * out [D, hidden] = the final-normed hidden states. Returns 0; 1/2/3: rope_kv's errors;
- * 10 + c: a packed matmul's error c; 20 + c: the attention kernel's error c; 30: no memory. */
+ * out [D, hidden] = the final-normed hidden states; lora: the step's adapters, or NULL.
+ * Returns 0; 1/2/3: rope_kv's errors; 10 + c: a packed matmul's error c; 20 + c: the
+ * attention kernel's error c; 30: no memory; 40 + c: the LoRA kernel's error c. */
 int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, float *out,
                      int64_t rows, const int64_t *positions, const int64_t *slots,
                      const int32_t *block_tables, const int32_t *context_lens,
-                     int64_t max_blocks, int num_threads) {
+                     int64_t max_blocks, int num_threads, const sf_lora_step *lora) {
+    const int64_t NL = m->num_layers;
     const int64_t H = m->hidden, hd = m->head_dim, qkv_width = (m->heads + 2 * m->kv_heads) * hd;
     const int64_t q_width = m->heads * hd, I = m->inter;
     const size_t floats = (size_t)(rows * (H + qkv_width + 2 * q_width + H + 2 * I + I + H));
@@ -262,6 +285,8 @@ int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, f
         if (L->qkv_bias != NULL)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t c = 0; c < qkv_width; c++) qkv[r * qkv_width + c] += L->qkv_bias[c];
+        status = SF_LORA(lora, l, 0, x, qkv, rows, H, qkv_width, NL, num_threads);
+        if (status) { status += 40; break; }
         status = sf_rope_kv(qkv, rows, qkv_width, m->heads, m->kv_heads, hd, positions, m->cos,
                             m->sin, m->table_rows, L->k_cache, L->v_cache, m->cache_kind, slots,
                             num_slots);
@@ -277,12 +302,18 @@ int sf_decode_layers(const sf_model *m, const sf_layer *layers, float *hidden, f
         if (L->o_bias != NULL)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t c = 0; c < H; c++) attn_out[r * H + c] += L->o_bias[c];
+        status = SF_LORA(lora, l, 1, attn, attn_out, rows, q_width, H, NL, num_threads);
+        if (status) { status += 40; break; }
         sf_add_rms_norm(hidden, attn_out, L->post_norm, x, rows, H, m->eps);
         status = SF_PACKED_MM(m, x, L->gate_up, gate_up, rows, H, 2 * I, num_threads);
         if (status) { status += 10; break; }
+        status = SF_LORA(lora, l, 2, x, gate_up, rows, H, 2 * I, NL, num_threads);
+        if (status) { status += 40; break; }
         sf_silu_mul(gate_up, act, rows, I);
         status = SF_PACKED_MM(m, act, L->down, delta, rows, I, H, num_threads);
         if (status) { status += 10; break; }
+        status = SF_LORA(lora, l, 3, act, delta, rows, I, H, NL, num_threads);
+        if (status) { status += 40; break; }
     }
     if (status == 0)
         sf_add_rms_norm(hidden, m->num_layers > 0 ? delta : NULL, m->final_norm, out, rows, H,

@@ -191,7 +191,9 @@ def _open(path: Path) -> ctypes.CDLL:
         _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int, _P, _I,
     ]  # fmt: skip
     library.sf_rope_kv.restype = ctypes.c_int
-    library.sf_decode_layers.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _P, _I, ctypes.c_int]
+    library.sf_decode_layers.argtypes = [
+        _P, _P, _P, _P, _I, _P, _P, _P, _P, _I, ctypes.c_int, _P,
+    ]  # fmt: skip
     library.sf_decode_layers.restype = ctypes.c_int
     return library
 

@@ -5,6 +5,7 @@
  *   sf_small_linear W stored [N, K] (out, in) — the lm_head (F.linear layout)
  *   sf_packed_mm    W [K, N] packed from GGUF blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K,
  *                   Q6_K; sf_packed_mm.h)
+ *   sf_lora_add     a step's LoRA deltas, rows grouped by adapter (sf_lora.h)
  *
  * The packed form holds a quantized checkpoint's weights as they were stored (4 to 8
  * bits plus float32 scales); AVX-512 dequantizes them in registers as the FMAs use
@@ -366,3 +367,6 @@ void sf_small_linear(const float *x, const float *w, float *out, int64_t M, int6
     sf_lin_range(x, w, out, M, K, N, 0, N);
 #endif
 }
+
+/* LoRA deltas of a step, rows grouped by adapter: sf_lora_add. */
+#include "sf_lora.h"

@@ -3,7 +3,9 @@
 Once the per-layer kernels are fast, a 16-sequence decode step spends a tenth of its time
 in Python calling them (~270 calls); this hands the C side every layer's addresses once per
 (model, KV cache) and runs the step in one call. Float32, float16 and int8 caches (int8:
-quantized on write and read with its scales by the C kernels) take the same program.
+quantized on write and read with its scales by the C kernels) take the same program, and
+so does a step with LoRA adapters: after each projection's matmul (and bias) the matmul
+library's `sf_lora_add` adds the step's deltas, as `DecoderLayer._mm` does per layer.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps, is_f32
+from servefleet.engine.kernels.cpu_lora import LORA_ERRORS, fits
 from servefleet.engine.kernels.cpu_paged_decode import CACHE_KINDS
 from servefleet.engine.kernels.cpu_paged_decode import ERROR_MESSAGES as ATTENTION_ERRORS
+from servefleet.engine.kernels.lora_layout import C_WEIGHT_CODES, FIELDS, LoraStep
 from servefleet.engine.kernels.packed_weights import PackedWeight
 from servefleet.engine.kv_quant import row_width
 
@@ -62,6 +66,17 @@ class _Model(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("cache_kind", ctypes.c_int32),
+    ]
+
+
+class _LoraStep(ctypes.Structure):
+    _fields_ = [
+        ("add", _P),
+        ("row_slots", _P),
+        ("table", _P),
+        ("num_slots", _I),
+        ("fields", _I),
+        ("wdtype", ctypes.c_int32),
     ]
 
 
@@ -145,6 +160,7 @@ class DecodeLayers:
         # Steps of bf16_min_rows rows or more use the packed kernel's bfloat16 products.
         self._f32_mm = ctypes.cast(packed_mm.sf_packed_mm, ctypes.c_void_p).value
         self._bf16_mm = ctypes.cast(packed_mm.sf_packed_mm_bf16, ctypes.c_void_p).value
+        self._lora_add = ctypes.cast(packed_mm.sf_lora_add, ctypes.c_void_p).value
         self.bf16_min_rows = bf16_min_rows
         self._model = _Model(
             num_layers=len(layers),
@@ -173,9 +189,10 @@ class DecodeLayers:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """hidden: the step's token embeddings [D, hidden] (used as the residual stream);
-        returns the final-normed hidden states [D, hidden]."""
+        returns the final-normed hidden states [D, hidden]. `lora`: the step's adapters."""
         rows = hidden.shape[0]
         if not (
             is_f32(hidden) and hidden.shape[1] == self.shape.hidden
@@ -189,16 +206,19 @@ class DecodeLayers:
         ):  # fmt: skip
             raise ValueError("decode layers: step tensors of the wrong dtype, layout or shape")
         out = torch.empty_like(hidden)
+        lora_arg = None if lora is None else ctypes.byref(self._lora_step(hidden, lora))
         bf16 = self.bf16_min_rows is not None and rows >= self.bf16_min_rows
         self._model.packed_mm = self._bf16_mm if bf16 else self._f32_mm
         status = self._ops.library.sf_decode_layers(
             ctypes.byref(self._model), ctypes.cast(self._layers, ctypes.c_void_p),
             hidden.data_ptr(), out.data_ptr(), rows,
             positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), block_tables.shape[1], torch.get_num_threads(),
+            context_lens.data_ptr(), block_tables.shape[1], torch.get_num_threads(), lora_arg,
         )  # fmt: skip
         if status:
-            if status >= 20:
+            if status >= 40:
+                reason = f"lora: {LORA_ERRORS.get(status - 40, status - 40)}"
+            elif status >= 20:
                 reason = f"attention: {ATTENTION_ERRORS.get(status - 20, status - 20)}"
             elif status >= 10:
                 reason = f"packed matmul error {status - 10}"
@@ -206,6 +226,21 @@ class DecodeLayers:
                 reason = DECODE_LAYERS_ERRORS.get(status, f"error {status}")
             raise ValueError(f"decode layers: {reason}")
         return out
+
+    def _lora_step(self, hidden: torch.Tensor, lora: LoraStep) -> _LoraStep:
+        """The step's adapters as the C side reads them, checked as `CpuLoraKernel` checks
+        them (the table's entries are checked by the C kernel itself)."""
+        table = lora.table
+        if not fits(hidden, hidden, lora) or table.shape[1:3] != (len(self._layers), 4):
+            raise ValueError("decode layers: a LoRA step of the wrong dtype, layout or shape")
+        return _LoraStep(
+            add=self._lora_add,
+            row_slots=lora.row_slots.data_ptr(),
+            table=table.data_ptr(),
+            num_slots=table.shape[0],
+            fields=FIELDS,
+            wdtype=C_WEIGHT_CODES[lora.weight_dtype],
+        )
 
 
 def _check_tensors(

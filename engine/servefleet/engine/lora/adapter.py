@@ -9,6 +9,7 @@ part's columns of the fused output. A part the adapter leaves alone costs nothin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -26,7 +27,9 @@ from servefleet.api.lora import (
     LoraConfigError,
     PeftLoraConfig,
 )
+from servefleet.engine.kernels.lora_layout import FIELDS, PartEntry, projection_entry
 from servefleet.engine.model.config import ModelConfig
+from servefleet.engine.model.weights import PROJECTIONS
 
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -70,6 +73,34 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for layer in self.layers for p in layer.values())
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return next(iter(p.a.dtype for layer in self.layers for p in layer.values()))
+
+    @functools.cached_property
+    def kernel_table(self) -> torch.Tensor:
+        """int64 [layers, projections (`PROJECTIONS` order), FIELDS] on the weights' device:
+        the addresses and shapes the LoRA kernels read (`kernels.lora_layout`)."""
+        rows = [
+            projection_entry(
+                lora.a if lora is not None else None,
+                [] if lora is None else [_part_entry(part) for part in lora.parts],
+            )
+            for layer in self.layers
+            for lora in (layer.get(name) for name in PROJECTIONS)
+        ]
+        device = next(iter(p.a.device for layer in self.layers for p in layer.values()))
+        table = torch.tensor(rows, dtype=torch.int64).view(
+            len(self.layers), len(PROJECTIONS), FIELDS
+        )
+        return table.to(device)
+
+
+def _part_entry(part: LoraPart) -> PartEntry:
+    ranks, columns = part.ranks, part.columns
+    return PartEntry(ranks.start, ranks.stop - ranks.start, columns.start,
+                     columns.stop - columns.start, part.b)  # fmt: skip
 
 
 def _fused_columns(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
@@ -203,6 +234,7 @@ def _fuse_layer(
             rank = a.shape[0]
             a_parts.append(a.t())
             scaled = (b.t().to(torch.float64) * scaling).to(dtype=dtype, device=device)
+            scaled = scaled.contiguous()  # the kernels read B [r, width] row by row
             lora_parts.append(
                 LoraPart(slice(rank0, rank0 + rank), slice(first, first + width), scaled)
             )

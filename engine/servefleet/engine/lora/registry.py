@@ -1,7 +1,9 @@
 """The adapters an engine holds: loaded by name, used by requests, evicted least recently used.
 
-At most `max_loras` adapters are resident; loading one more evicts the least recently used
-adapter that no sequence in the engine runs under (`in_use`, from the engine). When every
+At most `max_loras` adapters are resident, taking at most `max_bytes` together; loading one
+more evicts least recently used adapters that no sequence in the engine runs under
+(`in_use`, from the engine) until it fits, and an adapter larger than the whole budget is
+refused. When every
 resident adapter is busy a load is refused (503, retry later) rather than failing requests
 mid-generation. A request holds the adapter object it resolved at admission, so one that is
 evicted or unloaded while the request is still being prepared finishes under it all the
@@ -18,6 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from servefleet.api.lora import LoraConfigError
 from servefleet.engine.lora.adapter import LoraAdapter
 from servefleet.engine.lora.metrics import LoraMetrics
 
@@ -48,8 +51,10 @@ class LoraRegistry:
         loader: Loader,
         in_use: Callable[[], Collection[str]],
         metrics: LoraMetrics | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self.max_loras = max_loras
+        self.max_bytes = max_bytes
         self.metrics = metrics
         self._loader = loader
         self._in_use = in_use
@@ -79,11 +84,16 @@ class LoraRegistry:
             if current is not None and not replace:
                 return current, False
             with self._lock:
-                self._evictable(exclude=name)  # fail before reading files when all are busy
+                self._evictable(exclude=name, incoming=0)  # fail before reading when all busy
             started = time.monotonic()
             adapter = self._loader(name, directory)  # a failed load evicts nothing
+            if self.max_bytes is not None and adapter.nbytes > self.max_bytes:
+                raise LoraConfigError(
+                    f"the adapter takes {adapter.nbytes} bytes, more than --max-lora-memory "
+                    f"({self.max_bytes} bytes)"
+                )
             with self._lock:
-                evicted = self._evictable(exclude=name)
+                evicted = self._evictable(exclude=name, incoming=adapter.nbytes)
                 for idle in evicted:
                     del self._resident[idle]
                 self._resident[name] = adapter
@@ -116,14 +126,27 @@ class LoraRegistry:
                 self.stats.requests[name] = self.stats.requests.get(name, 0) + 1
             return adapter
 
-    def _evictable(self, exclude: str) -> list[str]:
-        """The least recently used idle adapters to evict so one more fits (lock held)."""
+    def _evictable(self, exclude: str, incoming: int) -> list[str]:
+        """The least recently used idle adapters to evict so one more (of `incoming` bytes)
+        fits under both budgets (lock held)."""
         others = [n for n in self._resident if n != exclude]
-        excess = len(others) - self.max_loras + 1
-        if excess <= 0:
-            return []
         busy = set(self._in_use())
-        idle = [n for n in others if n not in busy]
-        if excess > len(idle):
-            raise AdapterSlotsBusy(f"all {self.max_loras} adapter slots (--max-loras) are in use")
-        return idle[:excess]
+        evicted: list[str] = []
+        idle = iter(n for n in others if n not in busy)
+        while self._over(others, evicted, incoming):
+            victim = next(idle, None)
+            if victim is None:
+                raise AdapterSlotsBusy(
+                    f"every resident adapter is in use: no room under --max-loras "
+                    f"{self.max_loras} and --max-lora-memory {self.max_bytes} bytes"
+                )
+            evicted.append(victim)
+        return evicted
+
+    def _over(self, others: list[str], evicted: list[str], incoming: int) -> bool:
+        kept = [n for n in others if n not in evicted]
+        if len(kept) + 1 > self.max_loras:
+            return True
+        if self.max_bytes is None:
+            return False
+        return sum(self._resident[n].nbytes for n in kept) + incoming > self.max_bytes

@@ -8,18 +8,26 @@ run that way (a projection held as float32).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps
+from servefleet.engine.kernels.cpu_lora import CpuLoraKernel
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode
 from servefleet.engine.kernels.decode_layers import DecodeLayers, LayerTensors, ModelShape
-from servefleet.engine.kernels.matmul import SmallRowsMatmul
+from servefleet.engine.kernels.lora_layout import C_WEIGHT_CODES, LoraKernel, LoraStep
+from servefleet.engine.kernels.matmul import Matmul, SmallRowsMatmul
 from servefleet.engine.kernels.packed_weights import PackedWeight
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.kv_layout import KVCache
 from servefleet.engine.model.weights import PROJECTIONS
+
+if TYPE_CHECKING:
+    from servefleet.engine.lora.batch import LoraBatch
+
+# sf_decode_layers adds the adapters' deltas of projection p after the matmul of PROJECTIONS[p]
+assert PROJECTIONS == ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 class DecoderWeights(Protocol):
@@ -77,3 +85,20 @@ def build_decode_layers(
         ops, shape, tensors, rope[0], rope[1], final_norm,
         matmul.kernel.library, kernel.library, bf16_min_rows,
     )  # fmt: skip
+
+
+def lora_step_in_c(
+    lora: LoraBatch, kernel: LoraKernel | None, matmul: Matmul, rows: int
+) -> LoraStep | None:
+    """A step's adapters as the program's C LoRA kernel takes them, or None (no C LoRA
+    kernel, or one of another library than the matmuls', or weights it cannot read)."""
+    if (
+        not isinstance(kernel, CpuLoraKernel)
+        or not isinstance(matmul, SmallRowsMatmul)
+        or kernel.gemm is not matmul.kernel  # the program calls the matmul library's
+    ):
+        return None
+    step = lora.kernel_step(rows)
+    if step is None or step.weight_dtype not in C_WEIGHT_CODES or not step.table.is_cpu:
+        return None
+    return step

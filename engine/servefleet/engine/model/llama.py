@@ -20,10 +20,11 @@ from servefleet.engine.attention import AttentionMetadata, PagedAttention
 from servefleet.engine.kernels.cpu_fused_ops import CpuFusedOps
 from servefleet.engine.kernels.cpu_paged_decode import CpuPagedDecode
 from servefleet.engine.kernels.decode_layers import DecodeLayers
+from servefleet.engine.kernels.lora_layout import LoraKernel, LoraStep
 from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatmul
 from servefleet.engine.kernels.packed_weights import PackedWeight, PackingError
 from servefleet.engine.model.config import ModelConfig
-from servefleet.engine.model.decode_program import build_decode_layers
+from servefleet.engine.model.decode_program import build_decode_layers, lora_step_in_c
 from servefleet.engine.model.kv_layout import KVCache
 from servefleet.engine.model.rope import rope_table
 from servefleet.engine.model.weights import LM_HEAD, MissingWeightError, projection_shapes
@@ -51,6 +52,7 @@ class DecoderLayer(nn.Module):
         self.scale = config.head_dim**-0.5
         self.attn_impl = attn_impl
         self.matmul: Matmul = TORCH_MATMUL
+        self.lora_kernel: LoraKernel | None = None  # None: adapters' products in PyTorch
         hidden = config.hidden_size
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.input_norm = _weight(hidden, factory=factory, fill=1.0)
@@ -85,7 +87,7 @@ class DecoderLayer(nn.Module):
         """x @ W (+ bias), plus the step's adapters' low-rank products on their rows."""
         out = self.matmul.mm(x, self.projection(name), bias)
         if meta.lora is not None:
-            meta.lora.add(self.index, name, x, out)
+            meta.lora.add(self.index, name, x, out, self.lora_kernel)
         return out
 
     def forward(
@@ -162,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attn_impl = attn_impl or PagedAttention()
         self.matmul: Matmul = TORCH_MATMUL
+        self.lora_kernel: LoraKernel | None = None
         self.max_positions = max_positions or config.max_position_embeddings
         vocab, hidden = config.vocab_size, config.hidden_size
         self.embed_tokens = _weight(vocab, hidden, factory=factory)
@@ -213,6 +216,14 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.matmul = matmul
 
+    def set_lora_kernel(self, kernel: LoraKernel | None) -> None:
+        """Add the step's adapter products through `kernel` (C on CPU, Triton on GPU) where
+        it takes the tensors; None keeps the PyTorch path."""
+        self.lora_kernel = kernel
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.lora_kernel = kernel
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -236,9 +247,10 @@ class LlamaForCausalLM(nn.Module):
             if decode_layers is not None:
                 assert meta.decode_block_tables is not None
                 assert meta.decode_context_lens is not None
+                lora = self._program_lora(meta, hidden.shape[0])
                 return decode_layers.run(
                     hidden, positions, meta.slot_mapping, meta.decode_block_tables,
-                    meta.decode_context_lens,
+                    meta.decode_context_lens, lora,
                 )  # fmt: skip
             delta: torch.Tensor | None = None
             rope = (self.rope_cos, self.rope_sin)
@@ -264,11 +276,15 @@ class LlamaForCausalLM(nn.Module):
         self, ops: CpuFusedOps, kv_caches: list[KVCache], meta: AttentionMetadata, rows: int
     ) -> DecodeLayers | None:
         """The one-call decode program when this step can use it: a pure decode step of
-        at most the C matmuls' rows, every projection packed, the C attention kernel."""
+        at most the C matmuls' rows, every projection packed, the C attention kernel, and
+        its adapters (if any) in the C LoRA kernel of the same library."""
         matmul, kernel = self.matmul, self.attn_impl.decode_kernel
         if (
             not self.one_call_decode
-            or meta.lora is not None  # the C program knows no adapters
+            or (
+                meta.lora is not None
+                and lora_step_in_c(meta.lora, self.lora_kernel, matmul, rows) is None
+            )
             or meta.prefills
             or meta.num_decodes != rows
             or not isinstance(matmul, SmallRowsMatmul)
@@ -286,6 +302,14 @@ class LlamaForCausalLM(nn.Module):
             cached = (kv_caches, program)
             self._decode_layers = cached
         return cached[1]
+
+    def _program_lora(self, meta: AttentionMetadata, rows: int) -> LoraStep | None:
+        if meta.lora is None:
+            return None
+        step = lora_step_in_c(meta.lora, self.lora_kernel, self.matmul, rows)
+        assert step is not None  # _decode_layers_for admitted the step
+        meta.lora.ran.add("program")
+        return step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
