@@ -138,8 +138,8 @@ def cluster(node_cluster: NodeCluster, vllm_image: dict[str, str], models_folder
 
 def llm_deployment(image: str) -> dict[str, Any]:
     """vLLM's CPU build wants a KV-cache size (else it reserves 92% of the node's memory), a
-    block size that is a multiple of 32, and float32 here (its bfloat16 path dies on CPUs
-    with AMX); every other knob is the deployment's usual."""
+    block size that is a multiple of 32, and float32 here (its bfloat16 kernels die of SIGILL
+    on CPUs whose AMX faults); every other knob is the deployment's usual."""
     return {
         "apiVersion": "servefleet.io/v1alpha1",
         "kind": "LLMDeployment",
@@ -257,6 +257,52 @@ def engine_key(kube: Kube) -> str:
     return base64.b64decode(secret["data"][ENGINE_KEY_SECRET_KEY]).decode()
 
 
+def chart_pods(kube: Kube, component: str) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
+    return [p for p in kube.list("pods", SYSTEM_NAMESPACE, selector) if is_ready(p)]
+
+
+# Run inside the autoscaler's pod: its own code reads a replica's series, over its own path
+# to the engine pods (the NetworkPolicy admits it).
+AUTOSCALER_READ = """
+import sys, httpx
+from servefleet.autoscaler.engine_metrics import parse_engine_load
+text = httpx.get(sys.argv[1], timeout=10).text
+print(parse_engine_load(text, "vllm", sys.argv[2]).model_dump_json())
+"""
+
+
+def read_by_autoscaler(kube: Kube, pod: dict[str, Any]) -> dict[str, Any]:
+    """A replica's load as the autoscaler pod reads it (`engine_metrics`, vLLM's names)."""
+    autoscaler = chart_pods(kube, "autoscaler")[0]["metadata"]["name"]
+    out = kube.kubectl(
+        "exec", "-n", SYSTEM_NAMESPACE, autoscaler, "--", "python", "-c", AUTOSCALER_READ,
+        pod_url(pod) + ENGINE.metrics_path, MODEL,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def continuations(kube: Kube) -> float:
+    """Streams the gateways continued on another replica (`servefleet_gateway_`), summed."""
+    key = kube.get("secret", f"{RELEASE}-internal", SYSTEM_NAMESPACE)
+    assert key is not None
+    token = base64.b64decode(key["data"]["internal-api-key"]).decode()
+    service = kube.get("service", f"{RELEASE}-gateway", SYSTEM_NAMESPACE)
+    assert service is not None
+    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "internal")
+    total = 0.0
+    for pod in chart_pods(kube, "gateway"):
+        url = f"http://{pod['status']['podIP']}:{port}/metrics"
+        text = httpx.get(url, headers={"authorization": f"Bearer {token}"}, timeout=10).text
+        total += sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("servefleet_gateway_stream_continuations_total")
+        )
+    return total
+
+
 def pod_log_tail(kube: Kube, lines: int = 30) -> str:
     pods = engine_pods(kube)
     if not pods:
@@ -345,7 +391,15 @@ def test_autoscaler_scales_on_vllm_metrics_up_and_back_down(cluster: Kube) -> No
             ],
             timeout=120, interval=1,
         )  # fmt: skip
-        print(f"\nvLLM load as the autoscaler reads it: {busy}")
+        seen = wait_for(
+            "the autoscaler's pod to read requests running from vLLM's series",
+            lambda: [
+                read for pod in ready_engine_pods(kube)
+                if (read := read_by_autoscaler(kube, pod))["running"] > 0
+            ],
+            timeout=120, interval=1,
+        )  # fmt: skip
+        print(f"\nvLLM load read here {busy}, in the autoscaler's pod {seen}")
         added = wait_for(
             "the autoscaler to add a ready vLLM engine",
             lambda: [p for p in ready_engine_pods(kube) if p["metadata"]["name"] not in first],
@@ -404,6 +458,7 @@ def test_a_stopped_replica_finishes_its_streams(cluster: Kube) -> None:
             outcome["error"] = repr(exc)
         outcome["chunks"] = len(parts)
 
+    continued_before = continuations(kube)
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
     wait_for("the stream to be running on the replica",
@@ -415,6 +470,8 @@ def test_a_stopped_replica_finishes_its_streams(cluster: Kube) -> None:
     print(f"\nstream after SIGTERM: {outcome}, {time.monotonic() - deleted:.0f}s after delete")
     assert "error" not in outcome, outcome
     assert outcome.get("finish") in ("stop", "length") and outcome["chunks"] > 20, outcome
+    # Served whole by the stopped replica: the gateway continued no stream elsewhere.
+    assert continuations(kube) == continued_before
     wait_ready_count(kube, 1)
 
 

@@ -7,7 +7,9 @@ adapters names adapter i mod k. Each mix runs the same completions (random-word 
 `--input-words`, `--output-tokens` tokens each, ignore_eos), fresh words for every mix of
 every round so no mix finds another's prompts in the prefix cache. `--rounds N` runs all
 mixes N times in turn and keeps each mix's best round: on a machine shared with other work,
-a burst of it slows one round of one mix, not the ratios. Also measured: an adapter's load
+a burst of it slows one round of one mix, not the ratios. The engine's CPU seconds per mix
+are recorded too: with `--threads 1`, output tokens per engine CPU-second is a ratio that
+other work on the machine barely moves. Also measured: an adapter's load
 time through the endpoint. Writes JSON and a PNG, with the CPU's flags.
 
     uv run python -m servefleet.bench.lora_throughput                       # ~5 minutes here
@@ -79,11 +81,26 @@ def prompts(count: int, words: int, seed: int = 7) -> list[str]:
     return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(count)]
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds a process (all its threads) has used (Linux; else None)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 async def run_mix(
-    url: str, models: list[str], texts: list[str], concurrency: int, output_tokens: int
+    url: str,
+    models: list[str],
+    texts: list[str],
+    concurrency: int,
+    output_tokens: int,
+    pid: int | None = None,
 ) -> dict[str, Any]:
     """All `texts` as completions, request i under models[i % len(models)], `concurrency`
-    at a time; output tokens per second over the whole mix."""
+    at a time; output tokens per second over the whole mix, and per CPU-second of engine
+    process `pid`."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in range(len(texts)):
         queue.put_nowait(index)
@@ -101,11 +118,13 @@ async def run_mix(
                 continue
             tokens += response.json()["usage"]["completion_tokens"]
 
-    started = time.monotonic()
+    started, cpu_before = time.monotonic(), cpu_seconds(pid)
     async with httpx.AsyncClient() as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    seconds = time.monotonic() - started
+    seconds, cpu_after = time.monotonic() - started, cpu_seconds(pid)
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     return {"output_tokens": tokens, "seconds": seconds, "output_tps": tokens / seconds,
+            "engine_cpu_seconds": cpu, "output_per_cpu_second": tokens / cpu if cpu else None,
             "failed": failed}  # fmt: skip
 
 
@@ -139,12 +158,12 @@ def measure(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
             for count in MIXES:
                 models = [f"lora-{i}" for i in range(count)] or [args.model]
                 fresh = prompts(args.requests, args.input_words, seed=1000 * (round_ + 1) + count)
-                rounds[str(count)].append(
-                    asyncio.run(run_mix(url, models, fresh, args.concurrency, args.output_tokens))
-                )
+                mix = run_mix(url, models, fresh, args.concurrency, args.output_tokens, engine.pid)
+                rounds[str(count)].append(asyncio.run(mix))
     mixes = {
         count: {**max(runs, key=lambda r: r["output_tps"]),
                 "rounds_tps": [r["output_tps"] for r in runs],
+                "best_per_cpu_second": max(r["output_per_cpu_second"] or 0.0 for r in runs),
                 "failed": sum(r["failed"] for r in runs)}
         for count, runs in rounds.items()
     }  # fmt: skip
@@ -185,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         "concurrency": args.concurrency,
         "requests_per_mix": args.requests,
         "rounds": args.rounds,
+        "threads": args.threads,
         "matmul_isa": os.environ.get("SERVEFLEET_MATMUL_ISA", "auto"),
         "cpu_flags": sorted(cpu_flags()),
         "ratio_to_base": {k: m["output_tps"] / base for k, m in measured["mixes"].items()},
+        "cpu_ratio_to_base": {
+            k: m["best_per_cpu_second"] / (measured["mixes"]["0"]["best_per_cpu_second"] or 1.0)
+            for k, m in measured["mixes"].items()
+        },
         **measured,
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")

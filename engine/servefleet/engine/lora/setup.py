@@ -36,4 +36,10 @@ def build_lora_registry(config: EngineConfig, loaded: LoadedModel, engine: Engin
     def loader(name: str, directory: Path) -> LoraAdapter:
         return load_adapter(name, directory, loaded.config, config.max_lora_rank, dtype, device)
 
-    return LoraRegistry(config.max_loras, loader, engine.adapter_usage.names, engine.metrics.lora)
+    return LoraRegistry(
+        config.max_loras,
+        loader,
+        engine.adapter_usage.names,
+        engine.metrics.lora,
+        max_bytes=config.lora_memory_bytes,
+    )
