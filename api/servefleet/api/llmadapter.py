@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, model_validator
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, cel_rule
 from servefleet.api.deployment_status import Condition
+from servefleet.api.llmdeployment import ObjectMeta
 from servefleet.api.lora import ADAPTER_NAME
 from servefleet.api.model_source import ModelSource
 
@@ -109,17 +109,11 @@ class LLMAdapterStatus(ApiModel):
         return next((c for c in self.conditions if c.type == type_), None)
 
 
-class AdapterMeta(BaseModel):
-    """The parts of metadata we read."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, alias_generator=to_camel)
+class AdapterMeta(ObjectMeta):
+    """An LLMDeployment's metadata, but a name of a whole DNS label (no children are named
+    after an adapter, so it needs no room for suffixes)."""
 
     name: str = Field(description="Name of the LLMAdapter.", pattern=DNS_LABEL, max_length=63)
-    namespace: str = Field(default="default", description="Namespace.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
-    uid: str | None = Field(default=None, description="UID assigned by the API server.")
-    generation: int | None = Field(default=None, description="Spec generation.")
 
 
 class LLMAdapter(ApiModel):
