@@ -391,7 +391,12 @@ def test_kubectl_scale_changes_the_pool(
         ),
         timeout=60,
     )
-    assert kube.get("deployment", "scaled-engine", namespace)["spec"]["replicas"] == 4
+    # The condition is a fact about the spec, so a status refresh may say it just before the
+    # reconcile of the same change has applied the clamped count.
+    wait_for(
+        "clamped to maxReplicas",
+        lambda: kube.get("deployment", "scaled-engine", namespace)["spec"]["replicas"] == 4,
+    )
     kube.apply_text(llmd("scaled", pool={"minReplicas": 1, "maxReplicas": 2}), namespace)
     wait_for(
         "clamped to the lowered maximum",
