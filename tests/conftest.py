@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
@@ -32,3 +33,16 @@ def smollm2():  # type: ignore[no-untyped-def]
     from servefleet.engine.process import load_for
 
     return load_for(EngineConfig(model=BUILTIN, device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module's small models: on a shared 2-core machine OpenMP
+    threads spin-wait on each other's time slices. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,7 @@ from servefleet.bench.make_adapters import (
 OPEN_PROMPT = "Write a haiku about autumn leaves."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Shared 2-core CI machines: one intra-op thread avoids OpenMP spin contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -91,13 +91,7 @@ PROMPTS = [
 RAW_PROMPTS = ["Once upon a time, in a small village", "The three laws of thermodynamics are"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    """Shared 2-core CI machines: one intra-op thread avoids OpenMP spin contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

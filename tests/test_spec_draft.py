@@ -4,7 +4,6 @@ KV roll-back and no leaks, and the target distribution kept under sampling."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -37,13 +36,7 @@ NUM_BLOCKS = 4096
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Models this small run fastest on one thread (fewer sync points on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_model(
