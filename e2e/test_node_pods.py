@@ -7,7 +7,8 @@ the gateway Service (ClusterIP, through kube-proxy) with the official `openai` c
 spec change rolls out (it also gives the engines LoRA slots), load scales the pool up and
 back down, a deleted engine pod is replaced, LoRA adapters (`LLMAdapter`s fetched by the
 pods from a Hub-compatible server on this machine) are loaded on demand and answer their
-memorised sentences, and deleting the LLMDeployment removes its children. The tests run in
+memorised sentences, more adapters than the pool's slots are evicted least recently used and
+loaded again when asked, and deleting the LLMDeployment removes its children. The tests run in
 order and share one release. Run: `make e2e-node` (as root; see e2e/k8s/README.md).
 """
 
@@ -28,12 +29,20 @@ import httpx
 import openai
 import pytest
 import yaml
+from k8s.adapters import (
+    accepted_adapter,
+    ask,
+    first_answer,
+    llm_adapter,
+    loaded_on,
+    loaded_state,
+    route_adapters,
+)
 from k8s.hub import HubServer, serve_hub
-from k8s.kubectl import Kube, condition, is_ready, wait_for
+from k8s.kubectl import Kube, is_ready, wait_for
 from k8s.load import Load
 from k8s.node import NODE_IP, NodeCluster
 
-from servefleet.api.conventions import ROUTE_GATEWAY_KEY, route_object_name
 from servefleet.api.lora import ADAPTER_WEIGHTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,10 +291,10 @@ def test_deleted_engine_pod_is_replaced_without_a_hang(cluster: NodeCluster) -> 
 # --------------------------------------------------------------------------- LoRA adapters
 
 ADAPTERS = ("violet-fox", "copper-owl")  # the first memorised sentences, in this order
+FILLERS = ("random-wren", "random-lark", "random-moth")  # random adapters: only take slots
 OTHER_TENANT = "team-b"  # not listed in violet-fox's tenants
 OTHER_KEY = "sk-servefleet-e2e-team-b-0123456789"
 HOST_ADDRESS_ENV = "SERVEFLEET_E2E_HOST_ADDRESS"
-MAX_TOKENS = 24
 
 
 def host_address() -> str:
@@ -308,96 +317,25 @@ def memorized() -> list[dict[str, str]]:
     this one."""
     done = subprocess.run(
         [sys.executable, "-m", "servefleet.bench.make_adapters",
-         "--memorized", str(len(ADAPTERS)), "--random", "0"],
+         "--memorized", str(len(ADAPTERS)), "--random", str(len(FILLERS))],
         stdout=subprocess.PIPE, text=True, check=True, timeout=600,
     )  # fmt: skip
     made = json.loads(done.stdout)
-    assert len(made) == len(ADAPTERS), made
-    return list(made)
+    assert len(made) == len(ADAPTERS) + len(FILLERS), made
+    return list(made)  # the memorised ones first
 
 
 @pytest.fixture(scope="module")
 def hub(memorized: list[dict[str, str]]) -> Iterator[HubServer]:
-    repos = {f"e2e/{n}": Path(m["path"]) for n, m in zip(ADAPTERS, memorized, strict=True)}
+    names = (*ADAPTERS, *FILLERS)
+    repos = {f"e2e/{n}": Path(m["path"]) for n, m in zip(names, memorized, strict=True)}
     with serve_hub(HubServer(repos=repos), host_address()) as server:
         yield server
-
-
-def llm_adapter(name: str, hub: HubServer, tenants: list[str]) -> dict[str, Any]:
-    return {
-        "apiVersion": "servefleet.io/v1alpha1",
-        "kind": "LLMAdapter",
-        "metadata": {"name": name},
-        "spec": {
-            "deployment": LLMD,
-            "source": {"huggingface": {"repo": f"e2e/{name}", "endpoint": hub.url}},
-            "tenants": tenants,
-        },
-    }
-
-
-def accepted_adapter(kube: Kube, name: str) -> dict[str, Any] | None:
-    """The LLMAdapter once the operator accepted its current generation; fails at once if
-    it refused it (Unknown: its config could not be read yet, asked again next pass)."""
-    obj = kube.get("llma", name, NAMESPACE)
-    found = condition(obj, "Accepted")
-    if obj is None or found is None:
-        return None
-    if found.get("observedGeneration") != obj["metadata"]["generation"]:
-        return None
-    assert found["status"] != "False", found
-    return obj if found["status"] == "True" else None
-
-
-def route_adapters(kube: Kube) -> list[dict[str, Any]]:
-    """The adapters in the deployment's route ConfigMap, as the operator rendered them."""
-    route = kube.get("configmap", route_object_name(LLMD), NAMESPACE)
-    assert route is not None
-    (deployment,) = yaml.safe_load(route["data"][ROUTE_GATEWAY_KEY])["deployments"]
-    return sorted(deployment.get("adapters", []), key=lambda a: str(a["name"]))
-
-
-def ask(client: openai.OpenAI, model: str, prompt: str) -> str:
-    reply = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-    )
-    assert reply.model == model, reply.model
-    return reply.choices[0].message.content or ""
-
-
-def first_answer(client: openai.OpenAI, model: str, prompt: str) -> str:
-    """The first answer once the gateway serves `model` (it reads the new route within
-    seconds; until then the adapter is a model it does not know)."""
-    errors: list[str] = []
-
-    def answer() -> str | None:
-        try:
-            return ask(client, model, prompt)
-        except (openai.NotFoundError, openai.AuthenticationError) as exc:
-            errors.append(repr(exc))
-            return None
-
-    try:
-        return wait_for(f"an answer from {model} through the gateway", answer, 120, 1)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; last errors: {errors[-3:]}") from None
 
 
 def chart_pods(kube: Kube, component: str) -> list[dict[str, Any]]:
     selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
     return kube.list("pods", SYSTEM_NAMESPACE, selector)
-
-
-def loaded_on(kube: Kube, name: str) -> list[str] | None:
-    """The engine pods the autoscaler reports holding the adapter, once Loaded is True."""
-    obj = kube.get("llma", name, NAMESPACE)
-    loaded = condition(obj, "Loaded")
-    if obj is None or loaded is None or loaded["status"] != "True":
-        return None
-    return list(obj["status"].get("loadedReplicas") or []) or None
 
 
 def test_adapters_load_on_demand_and_answer_their_memorised_sentences(
@@ -421,11 +359,12 @@ def test_adapters_load_on_demand_and_answer_their_memorised_sentences(
     patch_llmd(kube, {"tenants": [*tenants, other]})
     fox, owl = ADAPTERS
     started = time.monotonic()
-    docs = [llm_adapter(fox, hub, [tenants[0]["name"]]), llm_adapter(owl, hub, [])]
+    docs = [llm_adapter(fox, LLMD, hub, [tenants[0]["name"]]), llm_adapter(owl, LLMD, hub, [])]
     kube.apply_text(yaml.safe_dump_all(docs), NAMESPACE)
     try:
         for name in ADAPTERS:
-            obj = wait_for(f"{name} accepted", partial(accepted_adapter, kube, name), 60, 1)
+            accepted = partial(accepted_adapter, kube, name, NAMESPACE)
+            obj = wait_for(f"{name} accepted", accepted, 60, 1)
             assert obj["status"]["rank"] == 8 and obj["status"]["baseModel"] == MODEL, obj
         # The operator pod read each config; no engine fetched an adapter yet (on demand).
         operator_ips = {p["status"]["podIP"] for p in chart_pods(kube, "operator")}
@@ -433,9 +372,10 @@ def test_adapters_load_on_demand_and_answer_their_memorised_sentences(
             readers = hub.fetchers(f"e2e/{name}", "adapter_config.json")
             assert readers and readers <= operator_ips, (readers, operator_ips)
         assert not any(hub.fetchers(f"e2e/{n}", ADAPTER_WEIGHTS) for n in ADAPTERS), hub.requests
-        wait_for("the route with both adapters", lambda: len(route_adapters(kube)) == 2, 60)
+        routed = partial(route_adapters, kube, LLMD, NAMESPACE)
+        wait_for("the route with both adapters", lambda: len(routed()) == 2, 60)
         endpoint = urlencode({"endpoint": hub.url})
-        assert route_adapters(kube) == [
+        assert routed() == [
             {"name": owl, "path": f"hf://e2e/{owl}@main?{endpoint}"},
             {"name": fox, "path": f"hf://e2e/{fox}@main?{endpoint}", "tenants": ["demo"]},
         ]
@@ -445,7 +385,7 @@ def test_adapters_load_on_demand_and_answer_their_memorised_sentences(
         for name in ADAPTERS:
             fetched_by = hub.fetchers(f"e2e/{name}", ADAPTER_WEIGHTS)
             assert fetched_by and fetched_by <= ips, (fetched_by, ips)
-        held = {n: wait_for(f"{n} reported loaded", partial(loaded_on, kube, n), 60, 1)
+        held = {n: wait_for(f"{n} reported loaded", partial(loaded_on, kube, n, NAMESPACE), 60, 1)
                 for n in ADAPTERS}  # fmt: skip
         assert all(set(replicas) <= names for replicas in held.values()), (held, names)
         print(f"\nLoRA: {held}, {time.monotonic() - started:.0f}s from apply\n"
@@ -460,7 +400,7 @@ def check_answers(kube: Kube, memorized: list[dict[str, str]]) -> None:
     use copper-owl only."""
     (fox, owl), url = ADAPTERS, gateway_url(kube)
     demo = openai.OpenAI(base_url=url, api_key=API_KEY, timeout=120, max_retries=0)
-    for name, made in zip(ADAPTERS, memorized, strict=True):
+    for name, made in zip(ADAPTERS, memorized, strict=False):
         assert first_answer(demo, name, made["prompt"]) == made["sentence"]
     listed = {m.id: getattr(m, "parent", None) for m in demo.models.list()}
     assert listed == {MODEL: None, fox: MODEL, owl: MODEL}, listed
@@ -471,6 +411,48 @@ def check_answers(kube: Kube, memorized: list[dict[str, str]]) -> None:
     with pytest.raises(openai.NotFoundError) as refused:
         ask(team_b, fox, memorized[0]["prompt"])
     assert refused.value.code == "model_not_found", refused.value
+
+
+def test_adapters_beyond_the_slots_are_evicted_and_reloaded(
+    cluster: NodeCluster, hub: HubServer, memorized: list[dict[str, str]]
+) -> None:
+    """Five adapters on replicas of two slots each (`engine.lora.maxLoras: 2`), more than
+    the pool holds: each is loaded on its first request, the least recently used go, the
+    autoscaler reports them `Loaded: False`, and asked again they are loaded again and the
+    memorised ones still answer their sentences. No request fails on the way."""
+    kube = cluster.kube
+    names, slots = (*ADAPTERS, *FILLERS), 2 * len(ready_engine_pods(kube))
+    assert len(names) > slots, f"{len(names)} adapters do not overflow {slots} slots"
+    sentences = {n: (m["prompt"], m["sentence"]) for n, m in zip(ADAPTERS, memorized, strict=False)}
+    demo = openai.OpenAI(base_url=gateway_url(kube), api_key=API_KEY, timeout=120, max_retries=0)
+
+    def answers(name: str) -> None:
+        prompt, sentence = sentences.get(name, ("Name a colour.", ""))
+        text = first_answer(demo, name, prompt)
+        assert text == sentence if sentence else text.strip(), (name, text)
+
+    kube.apply_text(yaml.safe_dump_all([llm_adapter(n, LLMD, hub, []) for n in names]), NAMESPACE)
+    try:
+        for name in names:
+            wait_for(f"{name} accepted", partial(accepted_adapter, kube, name, NAMESPACE), 60, 1)
+        routed = partial(route_adapters, kube, LLMD, NAMESPACE)
+        wait_for("the route with every adapter", lambda: len(routed()) == len(names), 60)
+        for name in names:  # in turn: the memorised ones are the least recently used
+            answers(name)
+
+        def evicted() -> list[str] | None:
+            states = {n: loaded_state(kube, n, NAMESPACE) for n in names}
+            return [n for n, s in states.items() if s is not None and s[0] == "False"] or None
+
+        gone = wait_for("an evicted adapter reported Loaded: False", evicted, 90, 1)
+        held = sum(len((loaded_state(kube, n, NAMESPACE) or ("", []))[1]) for n in names)
+        assert held <= slots, (held, slots)
+        for name in gone:
+            answers(name)
+            wait_for(f"{name} loaded again", partial(loaded_on, kube, name, NAMESPACE), 90, 1)
+        print(f"\nLoRA eviction: {len(names)} adapters, {slots} slots, evicted {gone}\n")
+    finally:
+        kube.kubectl("delete", "llma", *names, "-n", NAMESPACE, "--ignore-not-found")
 
 
 def test_deleting_the_llmdeployment_removes_every_child(cluster: NodeCluster) -> None:
