@@ -14,7 +14,9 @@ recorded even when another one fails:
   kernel, greedy tokens against transformers + PEFT on the GPU (float32, exact).
 - `kernels`: `lora_gpu_check` (the LoRA kernel against PyTorch in three dtypes, and timed at
   SmolLM2 and Llama-3-8B shapes) and `bench/attention_kernels.py` (decode attention).
-- `serve`: `servefleet engine` on the GPU over HTTP (`gpu_serve`).
+- `serve`: `servefleet engine` on the GPU over HTTP (`gpu_serve`), plotted to a PNG.
+
+Writes `gpu_check.json` (with the CPU's flags) and, after `serve`, `gpu_check.png` to --out.
 
     python -m servefleet.bench.gpu_check --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
 """
@@ -48,6 +50,7 @@ from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
 from servefleet.engine.sequence import Sequence
 
+SECTIONS = ("parity", "greedy", "lora", "kernels", "serve")
 BLOCK = 16
 NEW_TOKENS = 24
 PROMPTS = [
@@ -302,14 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", type=Path, required=True, help="SmolLM2's GGUF file")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu"))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--sections", default="parity,greedy,lora,kernels,serve")
+    p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--concurrency", default="1,16,64", help="serve: the load sweep")
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     wanted = args.sections.split(",")
+    if unknown := set(wanted) - set(SECTIONS):
+        p.error(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    from servefleet.engine.cpu_isa import cpu_flags
+
     results: dict[str, Any] = {"benchmark": "gpu_check", "torch": torch.__version__,
                                "gpu": torch.cuda.get_device_name() if args.device == "cuda"
-                               else "cpu"}  # fmt: skip
+                               else "cpu", "cpu_flags": sorted(cpu_flags())}  # fmt: skip
     ref = Reference(args.gguf, args.device) if {"parity", "greedy", "lora"} & set(wanted) else None
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "parity": lambda: parity(args.gguf, args.device, ref),  # type: ignore[arg-type]
@@ -321,7 +328,29 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         section(results, name, steps[name])
     (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2) + "\n")
+    if "runs" in results.get("serve", {}):
+        plot_serve(results["serve"], results["gpu"], args.out / "gpu_check.png")
     return 0 if all(results[n].get("ok") for n in wanted) else 1
+
+
+def plot_serve(serve: dict[str, Any], gpu: str, path: Path) -> None:
+    """Output tokens/s per concurrency, and c=16 on the base model vs eight adapters."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = {f"c={r['concurrency']}": r.get("output_token_throughput_tps", 0.0)
+            for r in serve["runs"]}  # fmt: skip
+    for label, mix in zip(("c=16 base x8", "c=16 8 adapters"), serve.get("mix", []), strict=False):
+        bars[label] = mix["output_token_throughput_tps"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(list(bars), list(bars.values()), color="#3a7")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"servefleet engine on {gpu}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _serve(gguf: Path, out: Path, device: str, concurrency: str) -> dict[str, Any]:
