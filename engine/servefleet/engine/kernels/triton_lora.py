@@ -37,7 +37,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 @functools.cache
 def _build_kernels(interpret: bool) -> tuple[Any, Any, Any]:
     """Define the @triton.jit kernels on first use (keyed by the interpreter flag, which
-    triton reads when a kernel is defined)."""
+    triton reads when a kernel is defined). The fused kernel repeats the shrink and expand
+    bodies: triton finds a called @jit function in module globals, not in this closure, and
+    module-level kernels would import triton with this module."""
     del interpret  # only part of the cache key
     import triton
     import triton.language as tl
