@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository root too: e2e reuses the real servers of `tests.support` (an OCI registry).
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from k8s.cluster import LocalControlPlane
 from k8s.kubectl import Kube, OperatorProcess

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from k8s.kubectl import Kube, wait_for
 
-from servefleet.api.llmadapter import ADAPTER_SOURCE_MESSAGE
+from servefleet.api.llmadapter import ADAPTER_SOURCE_MESSAGE, ADAPTER_URL_MESSAGE
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def llma(name: str, **spec: Any) -> str:
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("builtin", {"source": {"builtin": "smollm2-135m-instruct"}}, ADAPTER_SOURCE_MESSAGE),
-    ("url", {"source": {"url": "https://example.com/a.gguf"}}, ADAPTER_SOURCE_MESSAGE),
+    ("url", {"source": {"url": "https://example.com/a.gguf"}}, ADAPTER_URL_MESSAGE),
     ("twin-tenants", {"tenants": ["a", "a"]}, 'Duplicate value: "a"'),
     ("bad-deployment", {"deployment": "Not_A_Label"}, "spec.deployment"),
     (

@@ -6,7 +6,9 @@ The adapters are real: each was fine-tuned on SmolLM2 with `peft` to answer one 
 one memorised sentence (`servefleet.bench.make_adapters`, cached between runs). Three
 adapters on engines with two slots each: answering all of them evicts one. Also: a tenant
 not allowed an adapter gets 404 on it and does not see it in `/v1/models`, and an engine
-killed while an adapter loads on it loses no request.
+killed while an adapter loads on it loses no request. Two more adapters come from where a
+team publishes them rather than a folder: one pushed with `oras` to a real OCI registry, one
+a `.tgz` archive behind a URL; the engines fetch and unpack them on first use.
 
 Slow (two engines, a few adapters trained on first use): run alone,
     uv run pytest e2e/test_lora_local.py -s
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +34,8 @@ import pytest
 from procs import free_port
 
 from servefleet.bench.make_adapters import SENTENCES, default_cache_dir, memorized_adapter
+from tests.support.model_servers import ModelFileServer, model_file_server
+from tests.support.oci_registry import oci_registry, push_with_oras
 
 KEY_A, KEY_B = "sk-team-a-" + "x" * 24, "sk-team-b-" + "y" * 24
 NAMES = ("violet-fox", "copper-owl", "silent-baker", "green-turtles", "orange-mushrooms")
@@ -39,7 +44,12 @@ ROTATED = 3  # the first three take turns on two slots; the last two are loaded 
 MAX_TOKENS = 24
 
 
-def manifest(adapters: list[Path]) -> str:
+PUBLISHED = ("fox-from-registry", "owl-from-archive")  # NAMES[0] and NAMES[1], published
+HOSTILE = ("linking-archive", "climbing-archive")  # a namespace team's hostile archives
+ESCAPE = Path(f"/tmp/servefleet-escape-{os.getpid()}/escaped.txt")
+
+
+def manifest(adapters: list[Path], published: tuple[str, ...] = ("", "", "", "")) -> str:
     docs = [
         f"""
 apiVersion: v1
@@ -73,6 +83,30 @@ spec:
   tenants: {tenants}
 """
         )
+    oci_reference, archive_url, *hostile_urls = published
+    for name, url in zip(HOSTILE, hostile_urls, strict=True):
+        docs.append(
+            f"""
+apiVersion: servefleet.io/v1alpha1
+kind: LLMAdapter
+metadata: {{name: {name}}}
+spec: {{deployment: smol, source: {{url: "{url}"}}}}
+"""
+        )
+    if oci_reference:
+        docs.append(
+            f"""
+apiVersion: servefleet.io/v1alpha1
+kind: LLMAdapter
+metadata: {{name: {PUBLISHED[0]}}}
+spec: {{deployment: smol, source: {{oci: {{reference: "{oci_reference}"}}}}}}
+---
+apiVersion: servefleet.io/v1alpha1
+kind: LLMAdapter
+metadata: {{name: {PUBLISHED[1]}}}
+spec: {{deployment: smol, source: {{url: "{archive_url}"}}}}
+"""
+        )
     return "---".join(docs)
 
 
@@ -86,9 +120,40 @@ def adapters() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def up(adapters: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def published(
+    adapters: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, ...]]:
+    """The first adapter pushed to a real registry with `oras`, the second as a .tgz served
+    over HTTP, and two hostile archives: (OCI reference, archive URL, hostile URLs...)."""
+    tmp = tmp_path_factory.mktemp("published")
+    archive = tmp / "owl.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(adapters[1], arcname="copper-owl")
+    served = {"owl.tgz": archive.read_bytes()}
+    for name, member in (("link.tgz", "adapter_config.json"), ("climb.tgz", "../" * 12)):
+        hostile = tmp / name
+        with tarfile.open(hostile, "w:gz") as tar:
+            if name == "link.tgz":  # the config a link to a secret of the engine's host
+                info = tarfile.TarInfo(member)
+                info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                tar.addfile(info)
+            else:  # a file written far outside the engine's cache
+                tar.add(adapters[1] / "adapter_config.json", arcname=member + str(ESCAPE)[1:])
+        served[name] = hostile.read_bytes()
+    files = ModelFileServer(files=served)
+    with oci_registry(tmp) as registry, model_file_server(files) as server:
+        files_in = sorted(p for p in adapters[0].iterdir() if p.is_file())
+        reference = push_with_oras(registry, "teams/violet-fox", "v1", files_in)
+        urls = [f"{server.url}/files/{name}" for name in ("owl.tgz", "link.tgz", "climb.tgz")]
+        yield reference, *urls
+
+
+@pytest.fixture(scope="module")
+def up(
+    adapters: list[Path], published: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Up]:
     tmp = tmp_path_factory.mktemp("lora-up")
-    (tmp / "llmd.yaml").write_text(manifest(adapters))
+    (tmp / "llmd.yaml").write_text(manifest(adapters, published))
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -135,7 +200,7 @@ def test_each_adapter_answers_its_sentence_and_the_base_does_not(
     base, _, _ = up
     oai = client(base, KEY_A)
     listed = {m.id: getattr(m, "parent", None) for m in oai.models.list()}
-    assert listed == {"smollm2": None, **dict.fromkeys(NAMES, "smollm2")}
+    assert listed == {"smollm2": None, **dict.fromkeys(NAMES + PUBLISHED + HOSTILE, "smollm2")}
     # Three adapters on engines with two slots each, twice over: every round loads, evicts
     # and loads again; the answers never change.
     for _ in range(2):
@@ -150,10 +215,34 @@ def test_a_tenant_not_allowed_an_adapter_gets_404_and_does_not_see_it(
 ) -> None:
     base, _, _ = up
     oai = client(base, KEY_B)
-    assert {m.id for m in oai.models.list()} == {"smollm2", *NAMES} - {NAMES[2]}
+    assert {m.id for m in oai.models.list()} == {"smollm2", *NAMES, *PUBLISHED, *HOSTILE} - {
+        NAMES[2]
+    }
     with pytest.raises(openai.NotFoundError) as refused:
         ask(oai, NAMES[2], SENTENCES[2][0])
     assert refused.value.code == "model_not_found"
+    assert ask(oai, NAMES[0], SENTENCES[0][0]) == SENTENCES[0][1]
+
+
+def test_adapters_from_a_registry_and_an_archive_answer_as_their_folders_do(up: Up) -> None:
+    base, _, _ = up
+    oai = client(base, KEY_A)
+    for name, (prompt, sentence) in zip(PUBLISHED, SENTENCES, strict=False):
+        assert ask(oai, name, prompt) == sentence
+
+
+def test_a_hostile_archive_is_refused_by_name_and_writes_nothing_outside(up: Up) -> None:
+    """Attack by a namespace team (it may create LLMAdapters): an archive whose config is a
+    link to a host file, and one that climbs out of the cache. Each request for them is a
+    400 naming the member; nothing is written outside; the other adapters keep answering."""
+    base, _, _ = up
+    oai = client(base, KEY_A)
+    for name, said in zip(HOSTILE, ("links and devices are refused", "outside"), strict=True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(oai, name, "Hello")
+        assert refused.value.code == "adapter_load_failed", refused.value
+        assert said in str(refused.value), refused.value
+    assert not ESCAPE.exists() and not ESCAPE.parent.exists()
     assert ask(oai, NAMES[0], SENTENCES[0][0]) == SENTENCES[0][1]
 
 

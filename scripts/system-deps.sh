@@ -6,6 +6,7 @@
 #   ipset                             the e2e node's NetworkPolicy firewall (kube-router)
 #   buildah debootstrap catatonit     the e2e images (base rootfs, builds, pause process)
 #   gcc libc6-dev                     the static pause binary of the e2e node
+#   docker-registry                   adapters pulled from an OCI registry (CNCF distribution)
 set -euo pipefail
 declare -A probe=(
   [redis-server]=redis-server
@@ -21,6 +22,7 @@ declare -A probe=(
   [catatonit]=catatonit
   [gcc]=gcc
   [libc6-dev]=/usr/include/stdio.h
+  [docker-registry]=docker-registry
 )
 need=()
 for package in "${!probe[@]}"; do

@@ -240,7 +240,7 @@ def test_the_adapter_crd_refuses_what_pydantic_refuses() -> None:
     rules = {r["message"]: r["rule"] for r in spec["x-kubernetes-validations"]}
     assert rules[ADAPTER_SOURCE_MESSAGE] == (
         "has(self.source.pvc) || has(self.source.huggingface) || has(self.source.s3) || "
-        "has(self.source.oci)"
+        "has(self.source.oci) || has(self.source.url)"
     )
     # Duplicate tenants: a set list, which the API server refuses with duplicates.
     assert spec["properties"]["tenants"]["x-kubernetes-list-type"] == "set"
@@ -263,7 +263,7 @@ def test_the_adapter_source_rule_is_the_pydantic_rule() -> None:
     sources = {
         "builtin": "smollm2-135m-instruct",
         "pvc": {"claimName": "c", "path": "a"},
-        "url": "https://example.com/a",
+        "url": "https://example.com/a.tgz",
         "huggingface": {"repo": "o/r"},
         "s3": {"url": "s3://bucket/a/"},
         "oci": {"reference": "r/a:1"},
@@ -278,3 +278,36 @@ def test_the_adapter_source_rule_is_the_pydantic_rule() -> None:
             assert ADAPTER_SOURCE_MESSAGE in str(exc)
             pydantic_accepts = False
         assert cel_accepts == pydantic_accepts == (kind in ADAPTER_SOURCES), kind
+
+
+@pytest.mark.parametrize(
+    ("url", "archive"),
+    [
+        ("https://example.com/a.tgz", True),
+        ("https://example.com/a.tar.gz?sig=1", True),
+        ("http://example.com/a.tar#x", True),
+        ("https://example.com/adapter_model.safetensors", False),
+        ("https://example.com/a.tgz/file", False),
+        ("https://example.com/a?f=a.tgz", False),
+    ],
+)
+def test_the_adapter_url_rule_is_the_pydantic_rule(url: str, archive: bool) -> None:
+    """A url source must name an archive: the CEL `matches` (RE2, evaluated here with
+    Python's `re`, which agrees on this pattern) and pydantic refuse the same urls."""
+    import re
+
+    from pydantic import ValidationError
+
+    from servefleet.api.llmadapter import ADAPTER_URL_MESSAGE, LLMAdapterSpec
+
+    spec = adapter_schema()["properties"]["spec"]
+    rules = {r["message"]: r["rule"] for r in spec["x-kubernetes-validations"]}
+    pattern = rules[ADAPTER_URL_MESSAGE].split(".matches('", 1)[1].removesuffix("')")
+    assert bool(re.search(pattern, url)) is archive
+    try:
+        LLMAdapterSpec.model_validate({"deployment": "d", "source": {"url": url}})
+        accepted = True
+    except ValidationError as exc:
+        assert ADAPTER_URL_MESSAGE in str(exc)
+        accepted = False
+    assert accepted is archive

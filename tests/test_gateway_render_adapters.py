@@ -95,15 +95,15 @@ def test_an_adapter_of_a_deployment_not_rendered_is_an_error_not_dropped() -> No
         render([deployment()], [adapter("fox", namespace="team")])
 
 
-def test_local_mode_reads_only_pvc_folders_of_mapped_claims() -> None:
+def test_local_mode_reads_pvc_folders_of_mapped_claims_and_fetches_the_rest() -> None:
     hub = LLMAdapter.model_validate(
         {
             "metadata": {"name": "hub"},
             "spec": {"deployment": "smol", "source": {"huggingface": {"repo": "o/r"}}},
         }
     )
-    with pytest.raises(ValueError, match=r"LLMAdapter hub: source\.huggingface is not fetched"):
-        render([deployment()], [hub])
+    (rendered,) = render([deployment()], [hub]).deployments[0].adapters  # the engine fetches it
+    assert rendered.path == "hf://o/r@main"
     with pytest.raises(ValueError, match=r"claim adapters .*--volume adapters=DIR"):
         render_gateway_config([deployment()], {}, KEYS, adapters=[adapter("x")], local_volumes={})
 

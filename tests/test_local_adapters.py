@@ -157,10 +157,35 @@ def test_the_deployment_must_set_engine_lora(tmp_path: Path, volume: Path) -> No
     assert "LLMAdapter fox: deployment smol does not set engine.lora" in message
 
 
+def test_remote_sources_are_fetched_by_the_engine_as_on_kubernetes(
+    tmp_path: Path, volume: Path
+) -> None:
+    """The same YAML runs in both modes: a hub, s3, oci or url adapter is the lora_path the
+    engine fetches itself; what no engine could fetch is refused at start, in one line."""
+    remote = [
+        adapter_doc("hub", source={"huggingface": {"repo": "team/fox"}}),
+        adapter_doc("bucket", source={"s3": {"url": "s3://team/fox/"}}),
+        adapter_doc("image", source={"oci": {"reference": "reg.test/fox:1", "path": "m"}}),
+        adapter_doc("archive", source={"url": "https://files.test/fox.tgz"}),
+    ]
+    path = manifest(tmp_path, *remote)
+    check(path, volume)
+    tenants = resolve_local_tenants(load_llmdeployments(path), path)
+    options = LocalOptions(log_dir=tmp_path / "logs", volumes={"adapters": str(volume)})
+    plane = LocalControlPlane(tenants.deployments, tenants, options, load_llmadapters(path))
+    (dep,) = plane.gateway_config().deployments
+    assert [a.path for a in dep.adapters] == [
+        "hf://team/fox@main",
+        "s3://team/fox/",
+        "oci://reg.test/fox:1?path=m",
+        "https://files.test/fox.tgz",
+    ]
+    private = adapter_doc("p", source={"s3": {"url": "s3://team/p/", "credentialsSecret": "aws"}})
+    message = refused(manifest(tmp_path, private), volume)
+    assert message.startswith("LLMAdapter p: source.s3.credentialsSecret: adapters are fetched")
+
+
 def test_only_pvc_folders_of_mapped_claims_are_read(tmp_path: Path, volume: Path) -> None:
-    hub = adapter_doc("hub", source={"huggingface": {"repo": "team/fox"}})
-    message = refused(manifest(tmp_path, hub), volume)
-    assert message.startswith("LLMAdapter hub: source.huggingface is not fetched in local mode")
     other_claim = adapter_doc("fox", source={"pvc": {"claimName": "elsewhere", "path": "fox"}})
     message = refused(manifest(tmp_path, other_claim), volume)
     assert "LLMAdapter fox: source.pvc: claim elsewhere is not a folder of this machine" in message

@@ -12,7 +12,6 @@ kernels built for AVX2 (`SERVEFLEET_MATMUL_ISA=avx2`'s build).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from servefleet.api.speculative import SpeculativeConfig
 from servefleet.bench.make_adapters import applied, chat_ids, greedy, load_base, random_adapter
+from servefleet.bench.one_batch import run_in_one_batch
 from servefleet.engine.kernels.cpu_lora import CpuLoraKernel
 from servefleet.engine.kernels.cpu_small_gemm import load_cpu_small_gemm
 from servefleet.engine.kernels.matmul import SmallRowsMatmul
@@ -154,29 +154,7 @@ def run_batch(
 ) -> tuple[list[Sequence], list[LoraBatch | None]]:
     """Every job in one engine batch (schedule -> execute -> update to the end); returns the
     sequences and each step's adapter grouping."""
-    blocks = sum(math.ceil((len(p) + NEW_TOKENS + 8) / BLOCK) + 1 for _, p in jobs) + 8
-    kv = allocate_kv_cache(loaded.config, blocks, BLOCK, torch.float32, "cpu")
-    scheduler = Scheduler(
-        SchedulerConfig(64, 4096, 2048), KVCacheManager(blocks, BLOCK), [], speculator
-    )
-    runner = ModelRunner(loaded.model, kv, BLOCK, torch.device("cpu"))
-    steps: list[LoraBatch | None] = []
-    build = runner.build_inputs
-
-    def recording(out):  # type: ignore[no-untyped-def]
-        inputs = build(out)
-        steps.append(inputs[2].lora)
-        return inputs
-
-    runner.build_inputs = recording  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    seqs = [Sequence(list(p), params, 0.0, lora=a) for a, p in jobs]
-    for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.num_unfinished:
-        out = scheduler.schedule()
-        scheduler.update(out, runner.execute(out).token_by_seq_id())
-    return seqs, steps
+    return run_in_one_batch(loaded, jobs, NEW_TOKENS, speculator=speculator)
 
 
 def until_eos(tokens: list[int], reference: list[int]) -> list[int]:

@@ -128,7 +128,15 @@ def judge(adapter_body: dict[str, Any], dep_body: dict[str, Any], got: ConfigRea
         ),
         (
             {"source": {"oci": {"reference": "registry.test/adapters/a:1"}}},
-            {}, read(), "SourceNotSupported", ["source.oci", "new volume"],
+            VLLM, read(), "SourceNotSupported", ["source.oci", "vllm"],
+        ),
+        (
+            {"source": {"url": "https://files.test/a.tgz"}},
+            VLLM, read(), "SourceNotSupported", ["source.url", "vllm"],
+        ),
+        (
+            {"source": {"oci": {"reference": "reg.test/a:1", "pullPolicy": "Always"}}},
+            {}, read(), "SourceNotSupported", ["pullPolicy Always", "pin a digest"],
         ),
         (
             {"source": {"pvc": {"claimName": "adapters", "path": "a"}}},
@@ -191,6 +199,9 @@ def test_a_fitting_adapter_is_accepted_with_its_config() -> None:
     [
         (HUB, {}, "hf://acme/support@main?endpoint=http%3A%2F%2Fhub.test"),
         ({"s3": {"url": "s3://bkt/a b/", "region": "eu-1"}}, {}, "s3://bkt/a%20b/?region=eu-1"),
+        ({"url": "https://files.test/a.tgz?v=2"}, {}, "https://files.test/a.tgz?v=2"),
+        ({"oci": {"reference": "reg.test/a:1"}}, {}, "oci://reg.test/a:1"),
+        ({"oci": {"reference": "reg.test/a:1", "path": "m/a"}}, {}, "oci://reg.test/a:1?path=m%2Fa"),
         ({"huggingface": {"repo": "acme/a"}}, VLLM, "acme/a"),  # vLLM fetches a Hub id itself
         (
             {"huggingface": {"repo": "acme/a", "endpoint": "http://mirror.test/"}},

@@ -152,21 +152,16 @@ def adapter_path(
     volumes: Mapping[str, str] | None = None,
 ) -> str:
     """Where `deployment`'s engines read `adapter`'s PEFT folder: the `lora_path` the gateway
-    sends to /v1/load_lora_adapter. Local mode: the folder its pvc claim is mapped to
-    (`volumes`, `servefleet up --volume CLAIM=DIR`) joined with `pvc.path`; ValueError,
-    naming the adapter, for any other source (local mode fetches nothing)."""
-    if local:
-        pvc = adapter.spec.source.pvc
-        if pvc is None:
-            raise ValueError(
-                f"LLMAdapter {adapter.name}: source.{adapter.spec.source.kind} is not fetched in "
-                "local mode: put the adapter folder on this machine and use source.pvc"
-            )
-        return local_pvc_folder(pvc, volumes or {}, f"LLMAdapter {adapter.name}: source.pvc")
-    # Kubernetes: what the engine pods reach without a new volume (`api.lora_source`); the
-    # operator renders only adapters it accepted, so a refusal here is a bug, not input.
+    sends to /v1/load_lora_adapter. Local mode: a pvc source is the folder its claim is mapped
+    to (`volumes`, `servefleet up --volume CLAIM=DIR`) joined with `pvc.path`; every other
+    source is fetched by the engine itself, as on Kubernetes (`api.lora_source`)."""
     spec = deployment.spec
-    return kube_lora_path(adapter.spec.source, spec.model, spec.engine)
+    source = adapter.spec.source
+    if local and source.pvc is not None:
+        return local_pvc_folder(source.pvc, volumes or {}, f"LLMAdapter {adapter.name}: source.pvc")
+    # Kubernetes: what the engine pods reach without a new volume; the operator renders only
+    # adapters it accepted (local mode checks them at start), so a refusal here is a bug.
+    return kube_lora_path(source, spec.model, spec.engine)
 
 
 def _adapters_by_deployment(

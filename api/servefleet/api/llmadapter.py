@@ -16,15 +16,18 @@ from pydantic import ConfigDict, Field, model_validator
 from servefleet.api.api_model import DNS_LABEL, ApiModel, cel_rule
 from servefleet.api.deployment_status import Condition
 from servefleet.api.llmdeployment import ObjectMeta
-from servefleet.api.lora import ADAPTER_NAME
+from servefleet.api.lora import ADAPTER_ARCHIVE, ADAPTER_NAME
 from servefleet.api.model_source import ModelSource
 
 ADAPTER_KIND = "LLMAdapter"
 ADAPTER_PLURAL = "llmadapters"
 ADAPTER_SHORT_NAME = "llma"
-ADAPTER_SOURCES = ("pvc", "huggingface", "s3", "oci")
-"""Where adapter folders come from (a built-in or a single-file URL is no PEFT folder)."""
-ADAPTER_SOURCE_MESSAGE = "source: an adapter is a folder: use pvc, huggingface, s3 or oci"
+ADAPTER_SOURCES = ("pvc", "huggingface", "s3", "oci", "url")
+"""Where adapter folders come from (a built-in is a base model, never an adapter)."""
+ADAPTER_SOURCE_MESSAGE = "source: an adapter is a folder: use pvc, huggingface, s3, oci or url"
+ADAPTER_URL_MESSAGE = (
+    "source.url: an adapter is a folder: the url must name a .tar, .tar.gz or .tgz archive of it"
+)
 
 
 class LLMAdapterSpec(ApiModel):
@@ -37,7 +40,12 @@ class LLMAdapterSpec(ApiModel):
                 cel_rule(
                     " || ".join(f"has(self.source.{kind})" for kind in ADAPTER_SOURCES),
                     ADAPTER_SOURCE_MESSAGE,
-                )
+                ),
+                cel_rule(
+                    "!has(self.source.url) || "
+                    f"self.source.url.matches('{ADAPTER_ARCHIVE.pattern}')",
+                    ADAPTER_URL_MESSAGE,
+                ),
             ]
         }
     )
@@ -56,7 +64,8 @@ class LLMAdapterSpec(ApiModel):
     )
     source: ModelSource = Field(
         description="The PEFT folder (adapter_config.json + adapter_model.safetensors): pvc, "
-        "huggingface, s3 (a folder) or oci."
+        "huggingface, s3 (a folder), oci (an artifact or image holding it) or url (a .tar, "
+        ".tar.gz or .tgz archive of it)."
     )
     tenants: list[str] = Field(
         default_factory=list,
@@ -71,6 +80,8 @@ class LLMAdapterSpec(ApiModel):
     def _folder_source(self) -> LLMAdapterSpec:
         if self.source.kind not in ADAPTER_SOURCES:
             raise ValueError(ADAPTER_SOURCE_MESSAGE)
+        if self.source.url is not None and not ADAPTER_ARCHIVE.match(self.source.url):
+            raise ValueError(ADAPTER_URL_MESSAGE)
         if len(set(self.tenants)) != len(self.tenants):
             raise ValueError("tenants: duplicate names")
         return self

@@ -19,6 +19,14 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 """An `adapter_config.json` is a few hundred bytes; anything past this is not one."""
+ADAPTER_ARCHIVE = re.compile(r"^[^?#]*[.](tar|tar[.]gz|tgz)([?#].*)?$")
+"""A URL source of an adapter names a tar archive of its PEFT folder (a single file is no
+folder): `.tar`, `.tar.gz` or `.tgz`, before any query."""
+MAX_ADAPTER_FILES = 256
+MAX_ADAPTER_BYTES = 8 << 30
+"""Caps on what one adapter archive or OCI artifact may unpack to (a PEFT folder is two
+files of megabytes): past them the fetch is refused, so a crafted archive cannot fill a
+pod's disk."""
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[LoraTarget, ...] = (

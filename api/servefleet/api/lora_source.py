@@ -13,7 +13,12 @@ without a new volume or a new environment variable:
   `HF_ENDPOINT` their `engine.env` sets); they cannot read S3.
 - pvc: a folder on the claim every engine pod already mounts at `/models` (the deployment's
   `model.source.pvc` or `model.cache.pvc`); any other claim would need a new volume.
-- oci: an image volume per adapter in every pod: refused.
+- url (a .tar, .tar.gz or .tgz archive of the folder) and oci (an ORAS artifact whose layers
+  are the folder's files, or an image whose layers hold it at `oci.path`): our engine fetches
+  the URL itself, or pulls `oci://<reference>[?path=<folder>]` from the registry's HTTP API
+  (mounting an image volume per adapter would roll every pod), and unpacks either into its
+  cache, capped by `lora.MAX_ADAPTER_FILES` and `MAX_ADAPTER_BYTES`, refusing links and
+  paths that leave the folder. vLLM and SGLang load neither: refused for them.
 
 No credentials: the engine pods hold none, and the operator reads no Secrets. A tenant
 team that may create LLMAdapters in a namespace need not be allowed to read its Secrets
@@ -32,12 +37,12 @@ from servefleet.api.builtin_models import BUILTIN_MODELS
 from servefleet.api.conventions import MODEL_MOUNT
 from servefleet.api.engine_spec import EngineSpec
 from servefleet.api.llmdeployment import ModelSpec
-from servefleet.api.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from servefleet.api.lora import ADAPTER_ARCHIVE, ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from servefleet.api.model_source import ModelSource
 
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 """What an adapter fetch downloads from a Hub repository (a PEFT folder holds little else)."""
-REMOTE_SCHEMES = ("hf://", "s3://")
+REMOTE_SCHEMES = ("hf://", "s3://", "oci://", "http://", "https://")
 HF_ENDPOINT_ENV = "HF_ENDPOINT"
 _USE_INSTEAD = (
     "use a public huggingface repository, an s3 folder, or a folder on the deployment's model PVC"
@@ -103,6 +108,20 @@ def kube_lora_path(source: ModelSource, model: ModelSpec, engine: EngineSpec) ->
                 "use a huggingface repository or a folder on the deployment's model PVC",
             )
         return remote_lora_path(source)
+    if source.url is not None or source.oci is not None:
+        if engine_kind != "servefleet":
+            raise AdapterSourceRefused(
+                "SourceNotSupported",
+                f"source.{source.kind}: engine.kind {engine_kind} cannot load adapters from "
+                "it; use a huggingface repository or a folder on the deployment's model PVC",
+            )
+        if source.oci is not None and source.oci.pull_policy == "Always":
+            raise AdapterSourceRefused(
+                "SourceNotSupported",
+                "source.oci.pullPolicy Always: an engine pulls an adapter once per reference "
+                "and keeps it; publish a new tag or pin a digest to change it",
+            )
+        return remote_lora_path(source)
     raise AdapterSourceRefused(
         "SourceNotSupported",
         f"source.{source.kind}: engine pods would need a new volume for it (a rollout per "
@@ -147,8 +166,14 @@ def _refuse_credentials(source: ModelSource) -> None:
 
 def remote_lora_path(source: ModelSource) -> str:
     """`hf://repo@revision` or `s3://bucket/prefix/`, with the endpoint (and region) as a query;
-    credentials and allow-patterns are not part of it (see `kube_lora_path`)."""
+    `oci://reference[?path=folder]`; a url as it is. Credentials and allow-patterns are not
+    part of it (see `kube_lora_path`)."""
     query: dict[str, str] = {}
+    if source.url is not None:
+        return source.url
+    if source.oci is not None:
+        query = {"path": source.oci.path} if source.oci.path else {}
+        return f"oci://{source.oci.reference}" + (f"?{urlencode(query)}" if query else "")
     if source.huggingface is not None:
         hub = source.huggingface
         if hub.endpoint is not None:
@@ -164,39 +189,52 @@ def remote_lora_path(source: ModelSource) -> str:
 
 
 def parse_remote_lora_path(path: str) -> ModelSource | None:
-    """The source an `hf://` or `s3://` lora path names (Hub fetches limited to
-    ADAPTER_FILES); None for any other path (a folder on the engine's disk). ValueError
-    when it is one of ours but malformed."""
+    """The source an `hf://`, `s3://`, `oci://` or http(s) lora path names (Hub fetches
+    limited to ADAPTER_FILES); None for any other path (a folder on the engine's disk).
+    ValueError when it is one of ours but malformed."""
     if not path.startswith(REMOTE_SCHEMES):
         return None
     scheme, rest = path.split("://", 1)
+    if scheme in ("http", "https"):
+        if not ADAPTER_ARCHIVE.match(path):
+            raise ValueError(
+                f"lora_path {path!r}: an adapter is a folder: name a .tar, .tar.gz or .tgz "
+                "archive of it"
+            )
+        return _validated(path, {"url": path})
     body, _, text = rest.partition("?")
     parsed = parse_qs(text, keep_blank_values=True, strict_parsing=bool(text))
     if any(len(values) != 1 for values in parsed.values()):
         raise ValueError(f"lora_path {path!r}: each query parameter once")
     query = {k: v[0] for k, v in parsed.items()}
-    allowed = {"endpoint"} if scheme == "hf" else {"endpoint", "region"}
+    allowed = {"hf": {"endpoint"}, "oci": {"path"}}.get(scheme, {"endpoint", "region"})
     if set(query) - allowed:
         raise ValueError(f"lora_path {path!r}: unknown parameters {sorted(set(query) - allowed)}")
-    try:
-        if scheme == "hf":
-            repo, at, revision = body.partition("@")
-            spec: dict[str, object] = {
-                "repo": repo,
-                "revision": unquote(revision) if at else "main",
-                "allowPatterns": list(ADAPTER_FILES),
-                **query,
-            }
-            return ModelSource.model_validate({"huggingface": spec})
-        source = ModelSource.model_validate({"s3": {"url": f"s3://{unquote(body)}", **query}})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"lora_path {path!r}: {where}: {first['msg']}") from None
+    if scheme == "oci":
+        return _validated(path, {"oci": {"reference": unquote(body), **query}})
+    if scheme == "hf":
+        repo, at, revision = body.partition("@")
+        spec: dict[str, object] = {
+            "repo": repo,
+            "revision": unquote(revision) if at else "main",
+            "allowPatterns": list(ADAPTER_FILES),
+            **query,
+        }
+        return _validated(path, {"huggingface": spec})
+    source = _validated(path, {"s3": {"url": f"s3://{unquote(body)}", **query}})
     assert source.s3 is not None
     if not source.s3.is_folder:
         raise ValueError(f"lora_path {path!r}: an adapter is a folder: end it in '/'")
     return source
+
+
+def _validated(path: str, spec: dict[str, object]) -> ModelSource:
+    try:
+        return ModelSource.model_validate(spec)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"lora_path {path!r}: {where}: {first['msg']}") from None
 
 
 def model_names(model_name: str, source: ModelSource) -> set[str]:

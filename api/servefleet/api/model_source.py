@@ -279,6 +279,8 @@ class ModelSource(ApiModel):
             readable = f"{self.s3.bucket}-{self.s3.key}"
         elif self.url is not None:
             readable = self.url.split("://", 1)[-1].split("?", 1)[0]
+        elif self.oci is not None:  # an adapter the engine pulls (`api.lora_source`)
+            readable = f"{self.oci.reference}-{self.oci.path}"
         else:
             raise ValueError(f"model.source.{self.kind} is not downloaded")
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", readable).strip("-.")[:80]

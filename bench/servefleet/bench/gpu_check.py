@@ -37,21 +37,16 @@ from typing import Any, Literal
 import torch
 
 from servefleet.bench.make_adapters import EOS, applied, chat_ids, random_adapter
+from servefleet.bench.one_batch import BLOCK, run_in_one_batch
 from servefleet.engine.attention import AttentionMetadata, PrefillSpan
 from servefleet.engine.config import EngineConfig
-from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.lora.adapter import LoraAdapter, load_adapter
 from servefleet.engine.lora.setup import adapter_dtype
 from servefleet.engine.model.kv_layout import allocate_kv_cache
 from servefleet.engine.model.loader import LoadedModel
 from servefleet.engine.process import load_for
-from servefleet.engine.runner import ModelRunner
-from servefleet.engine.sampling_params import SamplingParams
-from servefleet.engine.scheduler import Scheduler, SchedulerConfig
-from servefleet.engine.sequence import Sequence
 
 SECTIONS = ("parity", "greedy", "lora", "kernels", "serve")
-BLOCK = 16
 NEW_TOKENS = 24
 PROMPTS = [
     "What is the capital of France?",
@@ -164,27 +159,7 @@ def run_batch(
     loaded: LoadedModel, jobs: list[tuple[LoraAdapter | None, list[int]]], device: str
 ) -> tuple[list[list[int]], set[str]]:
     """Every job in one engine batch to the end; the tokens and the LoRA paths steps took."""
-    blocks = sum(math.ceil((len(p) + NEW_TOKENS + 8) / BLOCK) + 1 for _, p in jobs) + 8
-    kv = allocate_kv_cache(loaded.config, blocks, BLOCK, loaded.model.norm.dtype, device)
-    scheduler = Scheduler(SchedulerConfig(64, 4096, 2048), KVCacheManager(blocks, BLOCK), [])
-    runner = ModelRunner(loaded.model, kv, BLOCK, torch.device(device))
-    steps: list[Any] = []  # each step's LoraBatch; `ran` fills in as the step runs
-    build = runner.build_inputs
-
-    def recording(out: Any) -> Any:
-        inputs = build(out)
-        steps.append(inputs[2].lora)
-        return inputs
-
-    runner.build_inputs = recording  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    seqs = [Sequence(list(p), params, 0.0, lora=a) for a, p in jobs]
-    for seq in seqs:
-        scheduler.add(seq)
-    with torch.inference_mode():
-        while scheduler.num_unfinished:
-            out = scheduler.schedule()
-            scheduler.update(out, runner.execute(out).token_by_seq_id())
+    seqs, steps = run_in_one_batch(loaded, jobs, NEW_TOKENS, device)
     ran = {path for step in steps if step is not None for path in step.ran}
     return [list(s.output_token_ids) for s in seqs], ran
 

@@ -5,14 +5,21 @@ Real PEFT adapters are made first (`make_adapters.random_adapter`, rank `--rank`
 projections) and loaded through vLLM's `/v1/load_lora_adapter`; request i of a mix of k
 adapters names adapter i mod k. Each mix runs the same completions (random-word prompts of
 `--input-words`, `--output-tokens` tokens each, ignore_eos), fresh words for every mix of
-every round so no mix finds another's prompts in the prefix cache. `--rounds N` runs all
-mixes N times in turn and keeps each mix's best round: on a machine shared with other work,
-a burst of it slows one round of one mix, not the ratios. The engine's CPU seconds per mix
-are recorded too: with `--threads 1`, output tokens per engine CPU-second is a ratio that
-other work on the machine barely moves. Also measured: an adapter's load
-time through the endpoint. Writes JSON and a PNG, with the CPU's flags.
+every round so no mix finds another's prompts in the prefix cache.
 
-    uv run python -m servefleet.bench.lora_throughput                       # ~5 minutes here
+Steady state first: `--warmup-requests` fresh prompts (default 96, over every adapter and the
+base) go through before anything is timed, more tokens than the KV cache holds, so no timed
+mix meets a cold engine or an empty cache (without it, the first mix of a fresh engine ran
+at 104 tok/s against 185-198 in later rounds, and whichever mix came first paid for it).
+`--rounds N` runs all mixes N times, each round in a rotated order (round r starts at mix
+r), and the headline ratio of a mix is the median over rounds of its throughput over the
+base's in the same round: the machine's speed drifts by 10-20% over minutes here, in both
+directions, and a ratio taken within a round cancels most of it. Each mix's best round is
+kept too, and the engine's CPU seconds per mix: with `--threads 1`, output tokens per engine
+CPU-second is a ratio that other work on the machine barely moves. Also measured: an
+adapter's load time through the endpoint. Writes JSON and a PNG, with the CPU's flags.
+
+    uv run python -m servefleet.bench.lora_throughput                       # ~6 minutes here
     SERVEFLEET_MATMUL_ISA=avx2 uv run python -m servefleet.bench.lora_throughput
 """
 
@@ -23,6 +30,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-words", type=int, default=100)
     p.add_argument("--output-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the engine")
-    p.add_argument("--rounds", type=int, default=1, help="all mixes this many times; best kept")
+    p.add_argument("--rounds", type=int, default=3, help="all mixes this many times, rotated")
+    p.add_argument("--warmup-requests", type=int, default=96, help="untimed, fill the KV cache")
     p.add_argument("--adapters", type=Path, default=Path("bench/results/lora_adapters"))
     p.add_argument("--out", type=Path, default=Path("bench/results/lora_throughput.json"))
     return p.parse_args(argv)
@@ -147,22 +156,24 @@ def measure(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     log = args.out.with_name(f"{args.out.stem}.engine.log")
     flags = ["--enable-lora", "--max-loras", str(max(MIXES)), "--max-lora-rank", str(args.rank),
              "--max-num-seqs", str(args.concurrency)]  # fmt: skip
-    texts = prompts(args.requests, args.input_words)
     with EngineProcess(args.model, log, flags, env=thread_env(args.threads)) as engine:
         url = engine.base_url
         load_seconds = load_all(url, paths)
-        warm = texts[: args.concurrency]
-        asyncio.run(run_mix(url, [args.model], warm, args.concurrency, 4))
+        warm = prompts(args.warmup_requests, args.input_words, seed=1)
+        every = [args.model] + [f"lora-{i}" for i in range(max(MIXES))]
+        asyncio.run(run_mix(url, every, warm, args.concurrency, args.output_tokens))
         rounds: dict[str, list[dict[str, Any]]] = {str(count): [] for count in MIXES}
         for round_ in range(args.rounds):
-            for count in MIXES:
+            for count in MIXES[round_ % len(MIXES) :] + MIXES[: round_ % len(MIXES)]:
                 models = [f"lora-{i}" for i in range(count)] or [args.model]
                 fresh = prompts(args.requests, args.input_words, seed=1000 * (round_ + 1) + count)
                 mix = run_mix(url, models, fresh, args.concurrency, args.output_tokens, engine.pid)
                 rounds[str(count)].append(asyncio.run(mix))
+    base_tps = [r["output_tps"] for r in rounds["0"]]
     mixes = {
         count: {**max(runs, key=lambda r: r["output_tps"]),
                 "rounds_tps": [r["output_tps"] for r in runs],
+                "round_ratios": [r["output_tps"] / b for r, b in zip(runs, base_tps, strict=True)],
                 "best_per_cpu_second": max(r["output_per_cpu_second"] or 0.0 for r in runs),
                 "failed": sum(r["failed"] for r in runs)}
         for count, runs in rounds.items()
@@ -207,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "matmul_isa": os.environ.get("SERVEFLEET_MATMUL_ISA", "auto"),
         "cpu_flags": sorted(cpu_flags()),
-        "ratio_to_base": {k: m["output_tps"] / base for k, m in measured["mixes"].items()},
+        "ratio_to_base": {
+            k: statistics.median(m["round_ratios"]) for k, m in measured["mixes"].items()
+        },
+        "best_round_ratio_to_base": {
+            k: m["output_tps"] / base for k, m in measured["mixes"].items()
+        },
         "cpu_ratio_to_base": {
             k: m["best_per_cpu_second"] / (measured["mixes"]["0"]["best_per_cpu_second"] or 1.0)
             for k, m in measured["mixes"].items()

@@ -2,11 +2,17 @@
 
 What the operator judges when an adapter is declared on Kubernetes is judged here before
 anything runs, each failure one line naming the adapter (exit status 2): its deployment is in
-the file and sets `engine.lora`; its folder (a pvc source, the claim mapped with `--volume`)
-holds a PEFT adapter the engines can serve (`PeftLoraConfig.check_servable` under the
-deployment's `maxLoraRank`) trained on the deployment's model (`lora.base_model_problem`);
-its tenants are the deployment's; its model name is its own. So a mistake is a line at start,
-never an error at the first request.
+the file and sets `engine.lora`; a folder on this machine (a pvc source, the claim mapped
+with `--volume`) holds a PEFT adapter the engines can serve (`PeftLoraConfig.check_servable`
+under the deployment's `maxLoraRank`) trained on the deployment's model
+(`lora.base_model_problem`); a remote source (huggingface, s3, oci, url) is one the
+deployment's engines fetch themselves (`lora_source.kube_lora_path`: no credentials, our
+engine for s3, oci and url); its tenants are the deployment's; its model name is its own.
+
+A remote adapter's own config is read by the engine when it first loads it (local mode makes
+no network calls at start, as it fetches no model before its engines do): a rank or target
+the engine cannot serve is then a 400 `adapter_load_failed` naming the field, remembered by
+the gateway so it is asked once.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from servefleet.api.lora import (
     PeftLoraConfig,
     base_model_problem,
 )
-from servefleet.api.lora_source import model_names
+from servefleet.api.lora_source import AdapterSourceRefused, kube_lora_path, model_names
 
 from .engine_command import LocalModeError
 
@@ -82,7 +88,15 @@ def _deployment(adapter: LLMAdapter, found: LLMDeployment | None) -> LLMDeployme
 def _check_folder(
     adapter: LLMAdapter, deployment: LLMDeployment, volumes: Mapping[str, str]
 ) -> None:
-    """The folder holds a servable PEFT adapter trained on the deployment's model."""
+    """A pvc folder holds a servable PEFT adapter trained on the deployment's model; any
+    other source is one the deployment's engines can fetch."""
+    if adapter.spec.source.pvc is None:
+        spec = deployment.spec
+        try:
+            kube_lora_path(adapter.spec.source, spec.model, spec.engine)
+        except AdapterSourceRefused as exc:
+            raise LocalModeError(f"LLMAdapter {adapter.name}: {exc.message}") from None
+        return
     try:
         folder = Path(adapter_path(adapter, deployment, True, volumes))
     except ValueError as exc:  # its message names the adapter already

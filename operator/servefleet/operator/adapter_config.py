@@ -2,7 +2,8 @@
 
 Only that one small file, over plain HTTP, without credentials: from a Hub repository
 (`<endpoint>/<repo>/resolve/<revision>/adapter_config.json`) or an S3 folder (an anonymous
-GET of `<prefix>adapter_config.json`). A PVC or an image cannot be read from here. The
+GET of `<prefix>adapter_config.json`); from the head of a URL's archive or an OCI artifact's
+config layer (`adapter_config_packed`). A PVC cannot be read from here. The
 answer is never echoed into a status (the endpoint is the adapter author's choice, so the
 operator must not become a way to read what it can reach): only its parsed fields, or the
 HTTP status and which field of the config was wrong.
@@ -13,38 +14,21 @@ every 30 s); a transient failure is not kept, so the next pass asks again.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 from urllib.parse import quote
 
 import httpx
-from pydantic import ValidationError
 
-from servefleet.api.lora import ADAPTER_CONFIG, MAX_ADAPTER_CONFIG_BYTES, PeftLoraConfig
+from servefleet.api.lora import ADAPTER_CONFIG, MAX_ADAPTER_CONFIG_BYTES
 from servefleet.api.model_source import ModelSource
+from servefleet.operator.adapter_config_packed import read_archive_config, read_oci_config
+from servefleet.operator.adapter_config_read import ConfigRead, parse_config, status_result
+
+__all__ = ["AdapterConfigReader", "ConfigRead", "config_url", "parse_config"]
 
 HUB = "https://huggingface.co"
 TIMEOUT = httpx.Timeout(10.0)
-
-ReadState = Literal["read", "refused", "unchecked", "retry"]
-
-
-@dataclass(frozen=True)
-class ConfigRead:
-    """What reading an adapter's config gave.
-
-    read: `config` holds it; refused: it is missing or not a servable PEFT config (definitive);
-    unchecked: the operator cannot read it (a volume, or no anonymous access) and the engine
-    checks it at load; retry: a transient failure (network, 5xx), asked again next pass.
-    """
-
-    state: ReadState
-    message: str = ""
-    config: PeftLoraConfig | None = None
-    reason: str = ""
 
 
 def config_url(source: ModelSource) -> str | None:
@@ -63,21 +47,6 @@ def config_url(source: ModelSource) -> str | None:
     return None
 
 
-def parse_config(body: bytes, where: str) -> ConfigRead:
-    """The config in `body`, or why it is not one (field names only, never the values)."""
-    try:
-        config = PeftLoraConfig.model_validate(json.loads(body))
-    except (ValueError, UnicodeDecodeError) as exc:
-        if isinstance(exc, ValidationError):
-            fields = sorted({".".join(str(p) for p in e["loc"]) or "(root)" for e in exc.errors()})
-            detail = f"invalid fields: {', '.join(fields)}"
-        else:
-            detail = "not JSON"
-        return ConfigRead("refused", f"{where}: not a PEFT adapter config ({detail})",
-                          reason="InvalidAdapterConfig")  # fmt: skip
-    return ConfigRead("read", config=config)
-
-
 class AdapterConfigReader:
     """Reads and remembers adapter configs; `transport` lets tests answer in process."""
 
@@ -93,7 +62,9 @@ class AdapterConfigReader:
         self._known: dict[str, tuple[float, ConfigRead]] = {}
 
     async def read(self, source: ModelSource) -> ConfigRead:
-        url = config_url(source)
+        url = config_url(source) or source.url
+        if source.oci is not None:
+            url = f"oci://{source.oci.reference}?path={source.oci.path}"
         if url is None:
             return ConfigRead(
                 "unchecked",
@@ -111,17 +82,15 @@ class AdapterConfigReader:
 
     async def _fetch(self, url: str, source: ModelSource) -> ConfigRead:
         where = f"{ADAPTER_CONFIG} at {url}"
+        if source.url is not None or source.oci is not None:
+            async with self._client() as client:
+                if source.oci is not None:
+                    return await read_oci_config(client, source.oci)
+                return await read_archive_config(client, source.url or "")
         try:
-            # No credentials, no proxy or .netrc from the environment, a few redirects at most.
-            async with httpx.AsyncClient(
-                timeout=TIMEOUT,
-                follow_redirects=True,
-                max_redirects=3,
-                trust_env=False,
-                transport=self._transport,
-            ) as client, client.stream("GET", url) as response:  # fmt: skip
+            async with self._client() as client, client.stream("GET", url) as response:
                 if response.status_code != 200:
-                    return _status_result(response.status_code, where, source)
+                    return status_result(response.status_code, where, source)
                 body = b""
                 async for chunk in response.aiter_bytes():
                     body += chunk
@@ -133,30 +102,12 @@ class AdapterConfigReader:
             return ConfigRead("retry", f"{where}: {type(exc).__name__}: {exc}")
         return parse_config(body, where)
 
-
-def _status_result(status: int, where: str, source: ModelSource) -> ConfigRead:
-    """A non-200 answer: missing (refused), not readable without credentials (refused for a
-    Hub repository, which the engines fetch without credentials too; unchecked for S3, which
-    the engine pods may read with their own identity), or a transient failure."""
-    if status == 404:
-        return ConfigRead(
-            "refused",
-            f"{where}: not found (HTTP 404): check the repository, revision or prefix",
-            reason="AdapterConfigNotFound",
+    def _client(self) -> httpx.AsyncClient:
+        # No credentials, no proxy or .netrc from the environment, a few redirects at most.
+        return httpx.AsyncClient(
+            timeout=TIMEOUT,
+            follow_redirects=True,
+            max_redirects=3,
+            trust_env=False,
+            transport=self._transport,
         )
-    if status in (401, 403):
-        if source.s3 is not None:
-            return ConfigRead(
-                "unchecked",
-                f"{where}: not readable without credentials (HTTP {status}): rank and target "
-                "modules are checked by the engine when it loads the adapter",
-            )
-        return ConfigRead(
-            "refused",
-            f"{where}: not readable without credentials (HTTP {status}); the engines fetch "
-            "adapters without credentials too: the repository must be public",
-            reason="AdapterNotReadable",
-        )
-    if status >= 500 or status == 429:
-        return ConfigRead("retry", f"{where}: HTTP {status}")
-    return ConfigRead("refused", f"{where}: HTTP {status}", reason="AdapterNotReadable")

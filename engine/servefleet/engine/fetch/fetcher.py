@@ -42,7 +42,7 @@ def _print(line: str) -> None:
     print(line, file=sys.stdout, flush=True)
 
 
-def _download_for(source: ModelSource) -> Download:
+def download_for_source(source: ModelSource) -> Download:
     # Imported per source: boto3 and huggingface_hub are heavy and each fetch needs one.
     if source.huggingface is not None:
         from servefleet.engine.fetch.huggingface_source import HuggingFaceDownload
@@ -65,13 +65,17 @@ def fetch_model(
     *,
     emit: Emit = _print,
     progress_interval: float = 5.0,
+    download_for: Callable[[ModelSource], Download] = download_for_source,
+    fetched_path: str | None = None,
 ) -> FetchResult:
-    """Make `cache_root/source.fetched_path()` complete, downloading only what is missing."""
+    """Make `cache_root/source.fetched_path()` complete, downloading only what is missing.
+    An adapter fetch passes its own `download_for` (archives, OCI artifacts) and the
+    `fetched_path` that gives (the cache entry: an adapter is a folder)."""
     entry = CacheEntry(cache_root, source.cache_entry())
-    path = cache_root / source.fetched_path()
+    path = cache_root / (fetched_path or source.fetched_path())
     if entry.ready():
         return _done(entry, path, emit, downloaded=False)
-    download = _download_for(source)
+    download = download_for(source)
     total = download.total_bytes()
     with ProgressLog(entry.partial, total, emit, progress_interval) as progress, entry.locked():
         if entry.ready():  # another pod finished it while we waited for the lock
