@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -44,6 +41,7 @@ from servefleet.gateway.route_merge import (
     resolve_route,
 )
 from servefleet.kube import KubeAccess
+from tests.support.model_servers import HubRepo, ModelFileServer, model_file_server
 
 BASE = "smollm2-135m-instruct"
 OTHER_BASE = "meta-llama/Llama-3.2-1B"
@@ -75,46 +73,12 @@ REPOS = {
 }
 
 
-@dataclass
-class Hub:
-    """A Hub-compatible file API for `<repo>/resolve/<revision>/<file>`; records each GET."""
-
-    url: str = ""
-    gets: list[str] = field(default_factory=list)
-
-
 @pytest.fixture(scope="module")
-def hub() -> Iterator[Hub]:
-    state = Hub()
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *_: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            state.gets.append(self.path)
-            repo, sep, rest = self.path.lstrip("/").partition("/resolve/")
-            revision, _, name = rest.partition("/")
-            body = REPOS.get(repo) if sep and revision == "main" else None
-            if body is None or name != "adapter_config.json":
-                self.send_error(404, "Entry not found")
-                return
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state
-    finally:
-        server.shutdown()
-        server.server_close()
+def hub() -> Iterator[ModelFileServer]:
+    """A Hub-compatible file API (`<repo>/resolve/<revision>/<file>`); records each GET."""
+    repos = {repo: HubRepo(files={"adapter_config.json": body}) for repo, body in REPOS.items()}
+    with model_file_server(ModelFileServer(repos=repos)) as server:
+        yield server
 
 
 @pytest.fixture
@@ -144,7 +108,9 @@ def llmd(name: str, lora: bool, **spec: Any) -> dict[str, Any]:
     }
 
 
-def llma(name: str, hub: Hub, repo: str, deployment: str = "smol", **spec: Any) -> dict[str, Any]:
+def llma(
+    name: str, hub: ModelFileServer, repo: str, deployment: str = "smol", **spec: Any
+) -> dict[str, Any]:
     source = {"huggingface": {"repo": repo, "endpoint": hub.url}}
     return {
         "apiVersion": "servefleet.io/v1alpha1",
@@ -207,7 +173,7 @@ def route_names(kube: Kube, namespace: str, name: str) -> list[str] | None:
 def test_adapters_are_judged_at_reconcile_served_in_the_route_and_listed(
     kube: Kube,
     operator: OperatorProcess,
-    hub: Hub,
+    hub: ModelFileServer,
     namespace: str,
     route_key_file: Path,
     tmp_path: Path,
@@ -231,7 +197,7 @@ def test_adapters_are_judged_at_reconcile_served_in_the_route_and_listed(
     status = support["status"]
     assert (status["rank"], status["targetModules"]) == (8, ["q_proj", "v_proj"])
     assert status["baseModel"] == "smol-chat"
-    assert "/acme/smol-support/resolve/main/adapter_config.json" in hub.gets
+    assert hub.gets("/acme/smol-support/resolve/main/adapter_config.json")
 
     # Another base model: refused, the message naming both.
     llama = accepted(kube, namespace, "llama")
@@ -273,7 +239,7 @@ def adapter_warnings(kube: Kube, namespace: str) -> dict[str, str]:
     }
 
 
-def check_route(kube: Kube, namespace: str, hub: Hub, route_key_file: Path) -> None:
+def check_route(kube: Kube, namespace: str, hub: ModelFileServer, route_key_file: Path) -> None:
     """Only the accepted adapter is in smol's route, loaded by the engines from the same Hub;
     the route passes the gateway's own checks (signed with the chart's key), and its
     adapter's tenants are scoped to the namespace like the tenants themselves."""
@@ -450,7 +416,7 @@ def can_i(kube: Kube, identity: str, verb: str, resource: str, namespace: str) -
 
 
 def test_autoscaler_reports_where_an_adapter_is_loaded_and_why_a_load_failed(
-    kube: Kube, operator: OperatorProcess, hub: Hub, namespace: str, tmp_path: Path
+    kube: Kube, operator: OperatorProcess, hub: ModelFileServer, namespace: str, tmp_path: Path
 ) -> None:
     pool = {"minReplicas": 1, "maxReplicas": 2}
     apply(kube, namespace, llmd("smol", lora=True, replicas=2, pool=pool))
@@ -545,7 +511,7 @@ def test_autoscaler_reports_where_an_adapter_is_loaded_and_why_a_load_failed(
 
 
 def test_changing_or_deleting_an_adapter_changes_its_route_and_its_rivals_verdicts(
-    kube: Kube, operator: OperatorProcess, hub: Hub, namespace: str
+    kube: Kube, operator: OperatorProcess, hub: ModelFileServer, namespace: str
 ) -> None:
     apply(kube, namespace, llmd("smol", lora=True))
     apply(kube, namespace, llma("llama", hub, "acme/llama-support"))

@@ -9,7 +9,6 @@ import io
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -19,14 +18,12 @@ from servefleet.api.lora_source import parse_remote_lora_path, remote_lora_path
 from servefleet.api.model_source import ModelSource
 from servefleet.api.oci_reference import parse_reference
 from servefleet.bench.make_adapters import random_adapter
-from servefleet.engine import lora_routes
 from servefleet.engine.fetch import FetchError
 from servefleet.engine.lora.remote import fetch_adapter, fetched_directory
-from servefleet.engine.process import BuiltEngine
-from tests.support.engine_harness import running_engine
-from tests.support.http_server import openai_client, serve_in_thread
+from tests.support.http_server import openai_client
 from tests.support.model_servers import ModelFileServer, model_file_server
 from tests.support.oci_registry import oci_registry, push_image, push_with_oras, token_gate
+from tests.test_lora_remote import built, url  # noqa: F401 (fixtures: an engine over HTTP)
 
 
 @pytest.fixture(scope="module")
@@ -198,21 +195,11 @@ def test_image_references_are_split_as_docker_does(text: str, parts: tuple[str, 
 # --------------------------------------------------------------------------- over HTTP
 
 
-@pytest.fixture(scope="module")
-def built(smollm2: Any) -> Iterator[BuiltEngine]:
-    with running_engine(smollm2, enable_lora=True, max_loras=3, max_lora_rank=8) as engine:
-        yield engine
-
-
-@pytest.fixture
-def url(built: BuiltEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setattr(lora_routes, "adapter_cache_root", lambda: tmp_path / "adapters")
-    with serve_in_thread(built) as base:
-        yield base
-
-
 def test_archive_and_oci_adapters_answer_as_the_same_folder_does(
-    url: str, files: ModelFileServer, registry: str, adapter: Path
+    url: str,  # noqa: F811 (the fixture imported above)
+    files: ModelFileServer,
+    registry: str,
+    adapter: Path,
 ) -> None:
     reference = push_with_oras(registry, "acme/served", "v1", sorted(adapter.iterdir()))
     paths = {

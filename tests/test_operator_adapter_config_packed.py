@@ -19,14 +19,7 @@ from servefleet.api.model_source import ModelSource
 from servefleet.operator.adapter_config import AdapterConfigReader
 from tests.support.model_servers import ModelFileServer, model_file_server
 from tests.support.oci_registry import oci_registry, push_image, push_with_oras, token_gate
-
-CONFIG = {
-    "peft_type": "LORA",
-    "r": 8,
-    "lora_alpha": 16,
-    "target_modules": ["q_proj", "v_proj"],
-    "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
-}
+from tests.test_operator_adapter_config import CONFIG
 
 
 def tgz(members: list[tuple[str, bytes]]) -> bytes:
