@@ -240,3 +240,30 @@ def test_a_registry_asking_for_a_token_gets_an_anonymous_one(
     assert same_files(folder, adapter)
     assert asked[:3] == ["/v2/acme/gated/manifests/v1", asked[1], "/v2/acme/gated/manifests/v1"]
     assert asked[1].startswith("/token?") and "scope=repository" in asked[1]
+
+
+def test_a_source_larger_than_an_adapter_is_cut_off(
+    files: ModelFileServer,
+    registry: str,
+    adapter: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An untrusted server may send more than any adapter holds, or more than the manifest
+    declared: the download stops there, with a permanent error, instead of filling the disk."""
+    from servefleet.engine.lora import archive_source
+    from servefleet.engine.lora import oci_source as oci_module
+    from servefleet.engine.lora.registry_api import RegistryClient
+
+    monkeypatch.setattr(archive_source, "MAX_ADAPTER_BYTES", 4096)
+    with pytest.raises(FetchError, match="larger than 4096 bytes") as caught:
+        fetch_adapter(url_source(files, "support.tgz"), tmp_path / "a")
+    assert caught.value.permanent
+    reference = push_with_oras(registry, "acme/large", "v1", sorted(adapter.iterdir()))
+    monkeypatch.setattr(oci_module, "MAX_ADAPTER_BYTES", 4096)
+    with pytest.raises(FetchError, match="too large to be an adapter"):
+        fetch_adapter(oci_source(reference), tmp_path / "b")
+    client = RegistryClient(parse_reference(reference), reference)
+    layer = max(client.manifest()["layers"], key=lambda layer: layer["size"])
+    with pytest.raises(FetchError, match="larger than the 100 bytes its manifest declares"):
+        client.download_blob(layer["digest"], tmp_path / "blob", 100)

@@ -35,9 +35,15 @@ class HttpDownload:
         download_resumable(self.url, folder / url_filename(self.url))
 
 
-def download_resumable(url: str, target: Path, headers: dict[str, str] | None = None) -> None:
+def download_resumable(
+    url: str,
+    target: Path,
+    headers: dict[str, str] | None = None,
+    max_bytes: int | None = None,
+) -> None:
     """GET `url` into `target`, continuing from the bytes already in it when the server
-    honours Range (206); a server that answers 200 instead gets the file from the start."""
+    honours Range (206); a server that answers 200 instead gets the file from the start.
+    Past `max_bytes` the download stops with a permanent error (an untrusted source)."""
     have = target.stat().st_size if target.exists() else 0
     request_headers = dict(headers or {})
     if have:
@@ -51,8 +57,12 @@ def download_resumable(url: str, target: Path, headers: dict[str, str] | None = 
             if response.status_code >= 400:
                 raise http_error(response.status_code, url)
             mode = "ab" if response.status_code == 206 else "wb"
+            written = have if mode == "ab" else 0
             with open(target, mode) as out:
                 for chunk in response.iter_bytes(CHUNK):
+                    written += len(chunk)
+                    if max_bytes is not None and written > max_bytes:
+                        raise FetchError(f"{url}: larger than {max_bytes} bytes", permanent=True)
                     out.write(chunk)
     except httpx.HTTPError as exc:
         raise FetchError(f"{url}: {exc}", permanent=False) from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from servefleet.api.lora import MAX_ADAPTER_BYTES
 from servefleet.api.model_source import url_filename
 from servefleet.engine.fetch.http_source import HttpDownload, download_resumable
 from servefleet.engine.lora.unpack import clear_folder, publish_unpacked, unpack_tar
@@ -32,7 +33,7 @@ class ArchiveDownload:
         archive = folder / ARCHIVE_DIR / url_filename(self.url)
         archive.parent.mkdir(parents=True, exist_ok=True)
         clear_folder(folder, keep=ARCHIVE_DIR)
-        download_resumable(self.url, archive)
+        download_resumable(self.url, archive, max_bytes=MAX_ADAPTER_BYTES)
         unpacked = folder / UNPACK_DIR
         unpack_tar(archive, unpacked, self.url)
         shutil.rmtree(archive.parent)

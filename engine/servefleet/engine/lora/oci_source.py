@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from servefleet.api.lora import MAX_ADAPTER_BYTES, MAX_ADAPTER_FILES
 from servefleet.api.model_source import OciImageSource
 from servefleet.api.oci_reference import FOLDER_MEDIA_TYPE, TITLE, UNPACK, parse_reference
 from servefleet.engine.fetch.errors import FetchError
@@ -50,10 +51,17 @@ class OciDownload:
         layers = self._manifest.get("layers")
         if not isinstance(layers, list) or not layers:
             raise FetchError(f"{self.what}: the manifest lists no layers", permanent=True)
+        declared = sum(_size(layer) for layer in layers)
+        if len(layers) > MAX_ADAPTER_FILES or declared > MAX_ADAPTER_BYTES:
+            raise FetchError(
+                f"{self.what}: {len(layers)} layers of {declared} bytes: too large to be an "
+                "adapter",
+                permanent=True,
+            )
         return layers
 
     def total_bytes(self) -> int | None:
-        return sum(int(layer.get("size", 0)) for layer in self._layers())
+        return sum(_size(layer) for layer in self._layers())
 
     def run(self, folder: Path) -> None:
         blobs = folder / LAYERS_DIR
@@ -83,7 +91,7 @@ class OciDownload:
         target = blobs / hexdigest
         if target.exists() and _sha256(target) == hexdigest:
             return target
-        self._client.download_blob(digest, target)
+        self._client.download_blob(digest, target, _size(layer))
         if _sha256(target) != hexdigest:
             target.unlink()
             raise FetchError(
@@ -114,6 +122,14 @@ class OciDownload:
         target = staging.joinpath(*name.parts)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(blob, target)
+
+
+def _size(layer: dict[str, Any]) -> int:
+    """A layer's declared size (the blob may not be longer)."""
+    size = layer.get("size")
+    if not isinstance(size, int) or size < 0:
+        raise FetchError(f"layer {layer.get('digest')!r}: no valid size", permanent=True)
+    return size
 
 
 def _sha256(path: Path) -> str:

@@ -63,11 +63,20 @@ class RegistryClient:
             raise FetchError(f"{self.what}: the manifest is not an object", permanent=True)
         return manifest
 
-    def download_blob(self, digest: str, target: Path) -> None:
+    def download_blob(self, digest: str, target: Path, max_bytes: int) -> None:
+        """The blob into `target`; past `max_bytes` (its declared size) a permanent error."""
+        written = 0
         try:
             url = f"{self.base}/blobs/{digest}"
             with self._stream(url, "*/*") as response, target.open("wb") as out:
                 for chunk in response.iter_bytes(CHUNK):
+                    written += len(chunk)
+                    if written > max_bytes:
+                        raise FetchError(
+                            f"{self.what}: blob {digest} is larger than the {max_bytes} bytes "
+                            "its manifest declares",
+                            permanent=True,
+                        )
                     out.write(chunk)
         except httpx.HTTPError as exc:
             raise FetchError(f"{self.what}: blob {digest}: {exc}", permanent=False) from exc
