@@ -132,12 +132,12 @@ async def _read_head(
     """Up to `limit` bytes of `url` and whether that was all of it; a registry's bearer
     challenge is answered once (headers gains the token, for the next calls)."""
     async with _get(client, url, headers or {}, where, source) as response:
-        body = b""
+        body = bytearray()  # appended in place: up to 32 MiB in many chunks
         async for chunk in response.aiter_bytes():
             body += chunk
             if len(body) > limit:
-                return body[:limit], False
-    return body, True
+                return bytes(body[:limit]), False
+    return bytes(body), True
 
 
 @asynccontextmanager

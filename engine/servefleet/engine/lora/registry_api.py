@@ -46,7 +46,7 @@ class RegistryClient:
 
     def _manifest(self, reference: str) -> dict[str, Any]:
         accept = ACCEPT_MANIFESTS
-        body = b""
+        body = bytearray()
         try:
             with self._stream(f"{self.base}/manifests/{reference}", accept) as response:
                 for chunk in response.iter_bytes():
