@@ -35,6 +35,8 @@ int sf_lora_fields(void) { return SF_LORA_FIELDS; }
 #if SF_ISA == 3
 #define SF_LORA_MB 8
 #define SF_ADD(a, b) _mm512_add_ps((a), (b))
+#define SF_LORA_LOADU(p) _mm512_loadu_ps(p)
+#define SF_LORA_STOREU(p, v) _mm512_storeu_ps((p), (v))
 /* n bfloat16 values (n < 16: the rest zero) widened to float32. */
 SF_AI sf_vf sf_lora_bf16(const uint16_t *p, int64_t n) {
     __m256i h;
@@ -54,6 +56,8 @@ SF_AI sf_vf sf_lora_bf16(const uint16_t *p, int64_t n) {
 #else
 #define SF_LORA_MB 6
 #define SF_ADD(a, b) _mm256_add_ps((a), (b))
+#define SF_LORA_LOADU(p) _mm256_loadu_ps(p)
+#define SF_LORA_STOREU(p, v) _mm256_storeu_ps((p), (v))
 SF_AI sf_vf sf_lora_bf16(const uint16_t *p, int64_t n) {
     __m128i h;
     if (n >= 8) {
@@ -68,8 +72,9 @@ SF_AI sf_vf sf_lora_bf16(const uint16_t *p, int64_t n) {
 #endif
 
 /* MB rows × NC vectors: o[m][c] (+)= sum over k < kn of xr[m][k] · w[k·ldw + c]; columns
- * past ncols are neither read nor written. */
-SF_AI void sf_lora_tile(const int MB, const int NC, const int BF16,
+ * past ncols are neither read nor written. FULL: all NC vectors are inside ncols, so plain
+ * loads and stores do (AVX2's masked ones cost extra micro-ops on every B row). */
+SF_AI void sf_lora_tile(const int MB, const int NC, const int BF16, const int FULL,
                         const float *const *xr, int64_t kn, const void *w, int64_t ldw,
                         int64_t ncols, float *const *orow, int add, int64_t pf) {
     const int64_t esize = BF16 ? 2 : 4;
@@ -88,9 +93,10 @@ SF_AI void sf_lora_tile(const int MB, const int NC, const int BF16,
         sf_vf wv[2];
 #pragma GCC unroll 2
         for (int c = 0; c < NC; c++)
-            wv[c] = BF16 ? sf_lora_bf16((const uint16_t *)w + k * ldw + c * SF_VL,
-                                        ncols - c * SF_VL)
-                         : SF_LOAD(masks[c], (const float *)w + k * ldw + c * SF_VL);
+            wv[c] = BF16   ? sf_lora_bf16((const uint16_t *)w + k * ldw + c * SF_VL,
+                                          FULL ? SF_VL : ncols - c * SF_VL)
+                    : FULL ? SF_LORA_LOADU((const float *)w + k * ldw + c * SF_VL)
+                           : SF_LOAD(masks[c], (const float *)w + k * ldw + c * SF_VL);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; m++) {
             const sf_vf xb = SF_SET1(xr[m][k]);
@@ -103,8 +109,14 @@ SF_AI void sf_lora_tile(const int MB, const int NC, const int BF16,
 #pragma GCC unroll 2
         for (int c = 0; c < NC; c++) {
             sf_vf r = acc[m][c];
-            if (add) r = SF_ADD(SF_LOAD(masks[c], orow[m] + c * SF_VL), r);
-            SF_STORE(masks[c], orow[m] + c * SF_VL, r);
+            float *o = orow[m] + c * SF_VL;
+            if (FULL) {
+                if (add) r = SF_ADD(SF_LORA_LOADU(o), r);
+                SF_LORA_STOREU(o, r);
+            } else {
+                if (add) r = SF_ADD(SF_LOAD(masks[c], o), r);
+                SF_STORE(masks[c], o, r);
+            }
         }
 }
 
@@ -113,7 +125,10 @@ SF_AI void sf_lora_tile(const int MB, const int NC, const int BF16,
         float *const *orow, int add, int64_t pf
 #define SF_LORA_FN(B_, M_, N_)                                                      \
     static void sf_lora_##B_##_##M_##_##N_(SF_LORA_ARGS) {                          \
-        sf_lora_tile(M_, N_, B_, xr, kn, w, ldw, ncols, orow, add, pf);             \
+        if (ncols >= N_ * SF_VL)                                                    \
+            sf_lora_tile(M_, N_, B_, 1, xr, kn, w, ldw, ncols, orow, add, pf);      \
+        else                                                                        \
+            sf_lora_tile(M_, N_, B_, 0, xr, kn, w, ldw, ncols, orow, add, pf);      \
     }
 #define SF_LORA_ROW(M_) SF_LORA_FN(0, M_, 1) SF_LORA_FN(0, M_, 2) SF_LORA_FN(1, M_, 1) \
     SF_LORA_FN(1, M_, 2)
@@ -134,16 +149,19 @@ typedef void (*sf_lora_fn)(SF_LORA_ARGS);
 static const sf_lora_fn sf_lora_table[2][SF_LORA_MB][2] = {SF_LORA_DTYPE(0), SF_LORA_DTYPE(1)};
 
 /* o[rows] (+)= x[rows] @ w[:, 0:ncols] for `rows` rows given by pointer, in row tiles and
- * column tiles of at most two vectors. */
+ * column tiles of at most two vectors. A row tile sweeps all its columns before the next
+ * one starts: the out rows of a prompt are far apart (a whole projection's width), and a
+ * tile walk down the rows would miss the cache on every row (half as wide a tile, twice
+ * the misses, under AVX2); along a row the accesses are sequential and prefetched. */
 static void sf_lora_block(int bf16, const float *const *xr, int64_t rows, int64_t kn,
                           const void *w, int64_t ldw, int64_t ncols, float *const *orow,
                           int add) {
     const size_t esize = bf16 ? 2 : 4;
-    for (int64_t c = 0; c < ncols; c += 2 * SF_VL) {
-        const int64_t left = ncols - c;
-        const int nc = left > SF_VL ? 2 : 1;
-        for (int64_t m0 = 0; m0 < rows; m0 += SF_LORA_MB) {
-            const int mb = (int)(rows - m0 < SF_LORA_MB ? rows - m0 : SF_LORA_MB);
+    for (int64_t m0 = 0; m0 < rows; m0 += SF_LORA_MB) {
+        const int mb = (int)(rows - m0 < SF_LORA_MB ? rows - m0 : SF_LORA_MB);
+        for (int64_t c = 0; c < ncols; c += 2 * SF_VL) {
+            const int64_t left = ncols - c;
+            const int nc = left > SF_VL ? 2 : 1;
             float *o[SF_LORA_MB];
             for (int m = 0; m < mb; m++) o[m] = orow[m0 + m] + c;
             /* expand: B [r, width] is walked a column tile at a time, r lines apart */
