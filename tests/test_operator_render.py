@@ -381,7 +381,7 @@ def test_network_policy_admits_only_the_chart_namespace_and_prometheus_namespace
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
     chart_namespace = {"matchLabels": {"kubernetes.io/metadata.name": "sf-system"}}
-    gateway, autoscaler, prometheus = rule["from"]
+    gateway, autoscaler, engines, prometheus = rule["from"]
     # A pod that labels itself "gateway" in its own namespace matches no peer: the chart's
     # pods are selected in the chart's namespace only, by the label the API server sets.
     assert gateway == {
@@ -395,6 +395,8 @@ def test_network_policy_admits_only_the_chart_namespace_and_prometheus_namespace
     }
     assert autoscaler["namespaceSelector"] == chart_namespace
     assert autoscaler["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "autoscaler"
+    # the deployment's own engines (its namespace: no namespaceSelector) pull KV from each other
+    assert engines == {"podSelector": {"matchLabels": render.selector_labels(dep)}}
     assert prometheus == {
         "namespaceSelector": {
             "matchExpressions": [
@@ -407,7 +409,11 @@ def test_network_policy_admits_only_the_chart_namespace_and_prometheus_namespace
         engine_image="x", gateway_url="http://gw", route_signing_key=KEY, system_namespace="s"
     )
     (rule,) = render.engine_network_policy(dep, plain)["spec"]["ingress"]
-    assert len(rule["from"]) == 2  # no Prometheus namespace named: none admitted
+    assert len(rule["from"]) == 3  # no Prometheus namespace named: none admitted
+    vllm = example()
+    vllm.spec.engine.kind = "vllm"
+    (rule,) = render.engine_network_policy(vllm, plain)["spec"]["ingress"]
+    assert len(rule["from"]) == 2  # vLLM engines pull nothing from each other
 
 
 @pytest.mark.parametrize(

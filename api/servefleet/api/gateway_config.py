@@ -207,6 +207,20 @@ class GatewayDeployment(ConfigModel):
         description="The engines resume from token ids (servefleet); false for vLLM/SGLang, "
         "which are sent the delivered text instead (`servefleet.api.stream_resume`).",
     )
+    kv_pull_min_tokens: int | None = Field(
+        default=256,
+        ge=1,
+        description="A request of at least this many prompt tokens that is routed away from "
+        "the replica its prefix is affine to names that replica in `kv_transfer_params`, so "
+        "the engine pulls the prefix's KV blocks from it instead of recomputing them "
+        "(servefleet engines); null: never (vLLM/SGLang).",
+    )
+    kv_pull_deadline_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="How long an engine may spend pulling before it recomputes the rest.",
+    )
     engine_priority: bool = Field(
         default=True,
         description="The engines take the gateway's `priority` (servefleet's scheduler): a "

@@ -122,6 +122,7 @@ def render_gateway_config(
                 block_size=dep.spec.engine.block_size,
                 ready_path=engine_adapter(dep.spec.engine.kind).ready_path,
                 exact_continuation=dep.spec.engine.kind == "servefleet",
+                kv_pull_min_tokens=256 if dep.spec.engine.kind == "servefleet" else None,
                 engine_priority=dep.spec.engine.kind == "servefleet",
                 max_model_len=dep.spec.engine.max_model_len,
                 allowed_replica_networks=allowed_replica_networks,

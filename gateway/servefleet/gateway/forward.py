@@ -21,6 +21,7 @@ from servefleet.gateway.adapter_loads import LOAD_TIMEOUT_S, AdapterLoadFailed
 from servefleet.gateway.asgi import JSON, Receive, Send
 from servefleet.gateway.call import Call
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
+from servefleet.gateway.kv_pull import kv_pull_params
 from servefleet.gateway.limit_headers import retry_after
 from servefleet.gateway.metrics import GatewayMetrics
 from servefleet.gateway.poison import PoisonedRequest, is_poisoned, poisoned_error
@@ -59,14 +60,17 @@ def engine_headers(config: GatewayDeployment, request_id: str = "") -> list[tupl
     return headers
 
 
-def engine_fields(call: Call) -> dict[str, Any]:
-    """What the gateway adds to a request for its engines: a batch tenant's `priority`
-    (interactive is the engine's default, 0), for engines that take ours (servefleet)."""
-    generates = call.path in ("/v1/chat/completions", "/v1/completions")
-    batch = call.route.traffic_class is TrafficClass.BATCH
-    if generates and batch and call.route.pool.config.engine_priority:
-        return {"priority": "batch"}
-    return {}
+def engine_fields(call: Call, lease: Lease) -> dict[str, Any]:
+    """What the gateway adds to a request for its engines that take ours (servefleet): a
+    batch tenant's `priority` (interactive is the engine's default, 0), and where a long
+    prompt's prefix KV may be pulled from (`kv_pull_params`)."""
+    config = call.route.pool.config
+    if call.path not in ("/v1/chat/completions", "/v1/completions"):
+        return {}
+    fields = kv_pull_params(config, lease, call.prompt_tokens)
+    if call.route.traffic_class is TrafficClass.BATCH and config.engine_priority:
+        fields["priority"] = "batch"
+    return fields
 
 
 class Forwarder:
@@ -78,7 +82,7 @@ class Forwarder:
     async def to_pool(self, call: Call, lease: Lease, send: Send, receive: Receive) -> None:
         """Relay the replica's answer; raises OpenAIError when no replica could answer."""
         pool = call.route.pool
-        first, body = self._pool_body(call)
+        first, body = self._pool_body(call, lease)
         retried = False
         while True:
             try:
@@ -148,10 +152,10 @@ class Forwarder:
         return await pool.reroute_waiting(lease, pool.config.admission.max_queue_wait)
 
     @staticmethod
-    def _pool_body(call: Call) -> tuple[dict[str, Any] | None, bytes]:
+    def _pool_body(call: Call, lease: Lease) -> tuple[dict[str, Any] | None, bytes]:
         """(the request as a continuation builds on it, or None: not resumable; what is sent)."""
         config = call.route.pool.config
-        extra = engine_fields(call)
+        extra = engine_fields(call, lease)
         if config.max_continuations == 0 or not resumable(call.parsed, stream=call.stream):
             body = prepare_body(
                 call.raw,

@@ -241,12 +241,15 @@ class DeploymentPool:
         )
         if replica is None:
             return None
-        return self._lease(replica, request.tokens, now)
+        return self._lease(replica, request.tokens, now, request.affinity_key)
 
-    def _lease(self, replica: Replica, tokens: int, now: float) -> Lease:
+    def _lease(
+        self, replica: Replica, tokens: int, now: float, affinity_key: int | None = None
+    ) -> Lease:
         self.replicas.acquire(replica, tokens)
         self.in_flight += 1
-        return Lease(replica, tokens, now)
+        source = self.replicas.kv_source(affinity_key, replica)
+        return Lease(replica, tokens, now, kv_source=None if source is None else source.endpoint)
 
     def _make_room(self, request: PoolRequest, now: float) -> Shed | None:
         """Push out a lower-priority request when the queue is full; a Shed when none can go."""
@@ -343,7 +346,7 @@ class DeploymentPool:
             if replica is None:  # cannot happen while free_slots > 0; keep the request safe
                 future.set_exception(_ShedWhileQueued(Shed(self._retry_after(now), "no replica")))
                 continue
-            future.set_result(self._lease(replica, tokens, now))
+            future.set_result(self._lease(replica, tokens, now, affinity_key))
 
     # -- after dispatch -------------------------------------------------------------------
     def reroute(self, lease: Lease) -> Lease | None:

@@ -37,6 +37,7 @@ class Lease:
     queue_wait_s: float = 0.0
     released: bool = False
     batch: bool = False  # a batch request's slot: load, but not demand that buys replicas
+    kv_source: str | None = None  # a replica likely to hold the prompt's prefix KV, not this one
 
 
 @dataclass(frozen=True, slots=True)

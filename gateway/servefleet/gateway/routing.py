@@ -156,6 +156,16 @@ class ReplicaSet:
             return holder
         return chosen
 
+    def kv_source(self, affinity_key: int | None, chosen: Replica) -> Replica | None:
+        """The ready replica a request's prefix is affine to, when the request goes to
+        another one (the affine replica was busy): its cache most likely holds the prefix,
+        so `chosen` may pull the prefix's KV from it rather than recompute it."""
+        if affinity_key is None:
+            return None
+        ready = (r for r in self.replicas.values() if r.state is ReplicaHealth.READY)
+        affine = max(ready, key=lambda r: _mix(affinity_key, r.seed), default=None)
+        return None if affine is chosen else affine
+
     def acquire(self, replica: Replica, tokens: int) -> None:
         replica.outstanding += 1
         replica.outstanding_tokens += tokens

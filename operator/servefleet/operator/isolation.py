@@ -98,7 +98,9 @@ def _chart_pods(component: str, namespace: str) -> dict[str, Any]:
 
 
 def network_policy(dep: LLMDeployment, meta: dict[str, Any], peers: EnginePeers) -> dict[str, Any]:
-    """Ingress to the engine pods only from the gateway, the autoscaler and Prometheus.
+    """Ingress to the engine pods only from the gateway, the autoscaler, Prometheus and
+    (servefleet engines) the deployment's own engines, which pull KV blocks from each other
+    (`/internal/kv/export`, behind the same engine key).
 
     Ingress only: engines still reach model sources and the kubelet still probes them.
     """
@@ -106,6 +108,8 @@ def network_policy(dep: LLMDeployment, meta: dict[str, Any], peers: EnginePeers)
         _chart_pods(CHART_COMPONENT_GATEWAY, peers.system_namespace),
         _chart_pods(CHART_COMPONENT_AUTOSCALER, peers.system_namespace),
     ]
+    if dep.spec.engine.kind == "servefleet":
+        sources.append({"podSelector": {"matchLabels": engine_selector(dep.name)}})
     if peers.metrics_namespaces:
         names = sorted(set(peers.metrics_namespaces))
         selector = {"key": LABEL_NAMESPACE_NAME, "operator": "In", "values": names}
