@@ -69,6 +69,7 @@ class KVHashesRequest(_Strict):
     """`lookup` and `export`: block hashes in chain order (a prompt's, from its first block)."""
 
     hashes: list[HexHash] = Field(min_length=1, max_length=MAX_TRANSFER_BLOCKS)
+    adapter_identity: int | None = None  # the chain's adapter (`LoraAdapter.identity`)
 
 
 class KVTransferParams(_Strict):
