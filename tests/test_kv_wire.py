@@ -39,7 +39,7 @@ def _fill(store: KVStore, hashes: list[int]) -> None:
 
 
 def _stream(store: KVStore, hashes: list[int]) -> bytes:
-    held = store.pin(hashes)
+    held, _ = store.pin(hashes)
     data = store.read([b.block_id for b in held])
     store.unpin(held)
     header = {"fingerprint": store.fingerprint, "bytes_per_block": store.bytes_per_block}
@@ -133,7 +133,7 @@ def test_frames_must_continue_the_chain_without_expected_hashes() -> None:
     hashes = chain(root_hash(None), TOKENS, BS)
     sender = _store(torch.float32)
     _fill(sender, hashes)
-    held = sender.pin(hashes)
+    held, _ = sender.pin(hashes)
     data = sender.read([b.block_id for b in held])
     sender.unpin(held)
     header = encode_header(

@@ -25,7 +25,6 @@ IMPORT_PATH = "/internal/kv/import"
 FINGERPRINT_MISMATCH = "kv_fingerprint_mismatch"
 """The 409's error code: the blocks were computed by another model, numerics or layout."""
 
-KV_TRANSFER_PARAMS = "kv_transfer_params"
 
 # ---- limits
 MAX_TRANSFER_BLOCKS = 8192

@@ -65,6 +65,10 @@ class KVStore:
         return (layers, sides, *rest)
 
     @property
+    def block_size(self) -> int:
+        return int(self.storage.shape[3])
+
+    @property
     def bytes_per_block(self) -> int:
         return self.storage[:, :, 0].numel() * self.storage.element_size()
 
@@ -78,20 +82,26 @@ class KVStore:
             count += 1
         return count
 
-    def pin(self, hashes: list[int]) -> list[HeldBlock]:
-        """Take a reference on the held leading run (within the export cap)."""
-        room = self.cap - self.pinned
+    def pin(self, hashes: list[int]) -> tuple[list[HeldBlock], bool]:
+        """Take a reference on the held leading run, within the export cap; and whether the
+        run ended (a block not held) rather than the cap."""
+        room = max(0, self.cap - self.pinned)
         held: list[KVBlock] = []
-        for block_hash in hashes[: max(0, room)]:
+        ended = False
+        for block_hash in hashes:
             block = self.kv.pool.lookup(block_hash)
             if block is None or block.parent_hash is None:
+                ended = True
+                break
+            if len(held) == room:
                 break
             held.append(block)
         self.kv.pool.touch(held)
         self.pinned += len(held)
-        return [
+        out = [
             HeldBlock(b.block_id, b.block_hash or 0, b.parent_hash or 0, b.token_ids) for b in held
         ]
+        return out, ended
 
     def unpin(self, blocks: list[HeldBlock]) -> None:
         self.kv.pool.free(self.kv.pool.blocks[b.block_id] for b in reversed(blocks))

@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from servefleet.api.kv_transfer import WINDOW_BLOCKS
-from servefleet.engine.kv_store import KVStore, VerifiedBlock
+from servefleet.engine.kv_store import HeldBlock, KVStore, VerifiedBlock
 from servefleet.engine.kv_wire import END, encode_frame, encode_header
 from servefleet.engine.loop import Engine
 
@@ -43,6 +43,10 @@ async def call_or_undo(engine: Engine, fn: Callable[[], T], undo: Callable[[T], 
         raise
 
 
+def _unpin_result(store: KVStore) -> Callable[[tuple[list[HeldBlock], bool]], None]:
+    return lambda result: store.unpin(result[0])
+
+
 def header_fields(store: KVStore, adapter_identity: int | None, count: int) -> dict[str, Any]:
     f = store.fields
     return {
@@ -66,8 +70,8 @@ async def export_stream(
     yield encode_header(header_fields(store, adapter_identity, len(hashes)))
     done = 0
     while done < len(hashes):
-        window = hashes[done : done + WINDOW_BLOCKS]
-        held = await call_or_undo(engine, partial(store.pin, window), store.unpin)
+        window = hashes[done : done + min(WINDOW_BLOCKS, store.cap)]
+        held, ended = await call_or_undo(engine, partial(store.pin, window), _unpin_result(store))
         try:
             if not held:
                 break
@@ -80,7 +84,7 @@ async def export_stream(
                 block.block_hash, block.parent_hash, block.token_ids, adapter_identity, payload
             )
         done += len(held)
-        if len(held) < len(window):
+        if ended:
             break
     yield END
 

@@ -88,6 +88,7 @@ class WireReader:
         self.first_parent: int | None = None
         self._buffer = bytearray()
         self._meta: dict[str, Any] | None = None
+        self.leftover: list[VerifiedBlock] = []  # verified, not yet handed on (a puller's)
 
     def feed(self, chunk: bytes) -> list[VerifiedBlock]:
         if self.complete and chunk:
@@ -146,6 +147,11 @@ class WireReader:
             raise WireError("kv_fingerprint_mismatch", "blocks of another model or KV layout")
         if header.get("bytes_per_block") != self.bytes_per_block:
             raise WireError("kv_fingerprint_mismatch", "blocks of another size")
+        adapter = header.get("adapter_identity")
+        if adapter is not None and (
+            type(adapter) is not int or not -(1 << 63) <= adapter < 1 << 63
+        ):
+            raise WireError("bad_frame", "adapter_identity is not a 64-bit integer")
         self.header = header
         return True
 
