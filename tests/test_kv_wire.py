@@ -119,6 +119,7 @@ def test_mismatches_are_refused() -> None:
     with pytest.raises(WireError) as caught:
         _receive(_store(torch.float32), bytes(flipped), hashes)
     assert caught.value.code == "crc_mismatch"
+    assert [b.block_hash for b in caught.value.blocks] == hashes[:2]  # those before it hold
     forged = _tampered(stream, b'"tokens":[100,', b'"tokens":[999,')
     with pytest.raises(WireError) as caught:
         _receive(_store(torch.float32), forged, hashes)

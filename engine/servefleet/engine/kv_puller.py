@@ -125,6 +125,7 @@ async def _pull_from(
         reason = "deadline"
     except WireError as exc:
         reason = exc.code
+        reader.leftover += exc.blocks
     except _Refused as exc:
         reason = exc.reason
     except httpx.HTTPError as exc:

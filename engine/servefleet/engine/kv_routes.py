@@ -131,14 +131,19 @@ async def _import(state: ServingState, store: KVStore, request: Request) -> dict
     started = time.monotonic()
     reader = WireReader(store.fingerprint, store.block_size, store.bytes_per_block, None)
     pending: list[VerifiedBlock] = []
-    committed, error = 0, None
+    committed, error, rooted = 0, None, False
     try:
         async for chunk in request.stream():
-            pending += reader.feed(chunk)
+            try:
+                pending += reader.feed(chunk)
+            except WireError as exc:
+                pending += exc.blocks
+                raise
             if reader.count > MAX_TRANSFER_BLOCKS:
                 raise WireError("too_many_blocks", f"more than {MAX_TRANSFER_BLOCKS} blocks")
-            if committed == 0 and pending:
+            if not rooted and pending:
                 await _check_first_parent(state, store, reader, pending[0])
+                rooted = True
             if len(pending) >= WINDOW_BLOCKS:
                 committed += await import_blocks(state.engine, store, pending)
                 pending = []
@@ -146,6 +151,11 @@ async def _import(state: ServingState, store: KVStore, request: Request) -> dict
         error = exc
     except ClientDisconnect:
         error = WireError("client_closed", "the stream ended early")
+    if pending and not rooted:  # the stream broke in its first chunk: check the root now
+        try:
+            await _check_first_parent(state, store, reader, pending[0])
+        except WireError:
+            pending = []
     if pending and (error is None or error.code != FINGERPRINT_MISMATCH):
         committed += await import_blocks(state.engine, store, pending)
     nbytes = reader.count * store.bytes_per_block

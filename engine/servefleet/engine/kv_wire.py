@@ -34,6 +34,7 @@ class WireError(ValueError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+        self.blocks: list[VerifiedBlock] = []  # verified before it, in the same chunk
 
 
 def _hex(value: int) -> str:
@@ -95,16 +96,24 @@ class WireReader:
             raise WireError("trailing_bytes", "bytes after the end of the stream")
         self._buffer += chunk
         out: list[VerifiedBlock] = []
+        try:
+            self._drain(out)
+        except WireError as exc:
+            exc.blocks = out  # what verified before the bad frame is still good
+            raise
+        return out
+
+    def _drain(self, out: list[VerifiedBlock]) -> None:
         while True:
             if self.header is None:
                 if not self._read_header():
-                    return out
+                    return
             elif self._meta is None:
                 if not self._read_meta():
-                    return out
+                    return
             else:
                 if len(self._buffer) < self.bytes_per_block:
-                    return out
+                    return
                 data = bytes(self._buffer[: self.bytes_per_block])
                 del self._buffer[: self.bytes_per_block]
                 out.append(self._verify(self._meta, data))
