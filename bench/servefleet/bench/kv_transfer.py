@@ -72,10 +72,10 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     flags = ["--api-key", KEY, "--kv-cache-dtype", dtype, "--kv-cache-memory", "768MiB"]
     flags += ["--threads", str(args.threads), "--served-model-name", "m"]
     env = thread_env(args.threads)
-    logs = args.out.with_name(f"{args.out.stem}.{dtype}")
+    logs = [args.out.with_name(f"{args.out.stem}.{dtype}.{name}.log") for name in "ab"]
     with (
-        EngineProcess(args.model, logs.with_suffix(".a.log"), flags, env=env) as a,
-        EngineProcess(args.model, logs.with_suffix(".b.log"), flags, env=env) as b,
+        EngineProcess(args.model, logs[0], flags, env=env) as a,
+        EngineProcess(args.model, logs[1], flags, env=env) as b,
     ):
         first_token(b.base_url, prompt("warm-up", 8))
         pulls, recomputes = [], []
