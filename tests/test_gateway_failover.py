@@ -140,7 +140,13 @@ def test_no_other_replica_ends_with_a_clean_error_event(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize(
-    "field", [{"return_token_ids": True}, {"resume_token_ids": [1, 2]}], ids=lambda f: next(iter(f))
+    "field",
+    [
+        {"return_token_ids": True},
+        {"resume_token_ids": [1, 2]},
+        {"kv_transfer_params": {"kv_sources": ["http://127.0.0.1:1"]}},
+    ],
+    ids=lambda f: next(iter(f)),
 )
 def test_tenants_cannot_send_the_internal_fields(rig: Rig, field: dict[str, Any]) -> None:
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 4, **field}

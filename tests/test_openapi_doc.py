@@ -13,6 +13,7 @@ from fastapi.routing import APIRoute
 from openapi_spec_validator import validate
 from pydantic import BaseModel
 
+from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH, LOOKUP_PATH
 from servefleet.api.openai_requests import REFUSED_FIELDS
 from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
 from servefleet.engine.server import build_app
@@ -70,7 +71,8 @@ def test_the_full_document_is_valid_openapi() -> None:
 def test_every_request_model_field_is_documented() -> None:
     schemas = openapi_document("t", OPERATIONS)["components"]["schemas"]
     bodies = [op.body for op in OPERATIONS.values() if op.body is not None]
-    assert len(bodies) == 7  # five OpenAI-shaped requests, the two adapter control bodies
+    # five OpenAI-shaped requests, the two adapter control bodies, KV lookup and export
+    assert len(bodies) == 9
     models: set[type[BaseModel]] = set()
     for body in bodies:
         _models_used(body, models)
@@ -138,8 +140,10 @@ def test_the_gateway_documents_its_tenant_port() -> None:
     document = response.json()
     validate(document)
     assert "/metrics" not in document["paths"]  # the internal port's
-    # adapters are loaded on engines by the platform, never through the tenant port
+    # adapters are loaded on engines by the platform, never through the tenant port; KV
+    # blocks move between engines only
     engine_only = {"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    engine_only |= {INFO_PATH, LOOKUP_PATH, EXPORT_PATH, IMPORT_PATH}
     assert set(document["paths"]) == set(OPERATIONS) - engine_only
     for path in ("/tokenize", "/v1/models", "/v1/chat/completions"):
         assert next(iter(document["paths"][path].values()))["security"] == [{"bearerKey": []}]

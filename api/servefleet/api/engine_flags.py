@@ -90,6 +90,14 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         f"/version (default: ${API_KEY_ENV}, else no key, as vLLM without --api-key)",
         metavar="KEY",
     ),
+    EngineFlag(
+        "kv_peer_networks",
+        "serving",
+        "networks (comma-separated CIDRs) of the engines a request's kv_transfer_params may "
+        "name to pull KV blocks from; the engine sends its key there",
+        default="127.0.0.0/8,::1/128",
+        metavar="CIDRS",
+    ),
     EngineFlag("dtype", "serving", "weights dtype", default="auto", choices=_choices(WeightsDtype)),
     EngineFlag("device", "serving", "auto, cpu, cuda, cuda:N", default="auto"),
     EngineFlag(

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from servefleet.api import request_caps as caps
+from servefleet.api.kv_transfer import KVTransferParams
 from servefleet.api.openai_messages import ChatMessage, StrictModel
 from servefleet.api.seeds import SEED_MAX, SEED_MIN
 
@@ -165,6 +166,7 @@ class SamplingRequest(_RefusesKnownFields):
     # internal to gateway and engine (`servefleet.api.stream_resume`): refused from tenants
     return_token_ids: bool = False
     resume_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # `servefleet.api.kv_transfer`
     # refused (see REFUSED_FIELDS)
     best_of: Any = None
     store: Any = None

@@ -18,6 +18,14 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from servefleet.api.kv_transfer import (
+    EXPORT_PATH,
+    IMPORT_PATH,
+    INFO_PATH,
+    LOOKUP_PATH,
+    MEDIA_TYPE,
+    KVHashesRequest,
+)
 from servefleet.api.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from servefleet.api.openai_requests import (
     REFUSED_FIELDS,
@@ -91,6 +99,12 @@ OPERATIONS: dict[str, Operation] = {
     "/v1/unload_lora_adapter": Operation(
         "post", "Unload a LoRA adapter (vLLM's)", UnloadLoraAdapterRequest
     ),
+    INFO_PATH: Operation("get", "This engine's KV cache fingerprint and transfer limits"),
+    LOOKUP_PATH: Operation("post", "How many leading KV blocks are cached", KVHashesRequest),
+    EXPORT_PATH: Operation(
+        "post", "Stream the cached leading KV blocks", KVHashesRequest, media_type=MEDIA_TYPE
+    ),
+    IMPORT_PATH: Operation("post", f"Import a pushed {MEDIA_TYPE} stream of KV blocks"),
     "/health": Operation("get", "Liveness", probe=True),
     "/ready": Operation("get", "Readiness", probe=True),
     "/metrics": Operation("get", "Prometheus metrics", media_type=PROMETHEUS_TEXT),
@@ -119,7 +133,7 @@ def _document_refused(properties: dict[str, Any]) -> None:
 def _responses(operation: Operation) -> dict[str, Any]:
     error_ref = {"$ref": SCHEMA_REF.format(model=ERROR_SCHEMA)}
     error = {"content": {"application/json": {"schema": error_ref}}}
-    if operation.media_type == PROMETHEUS_TEXT:
+    if operation.media_type in (PROMETHEUS_TEXT, MEDIA_TYPE):
         ok_schema: dict[str, Any] = {"type": "string"}
     else:
         ok_schema = _JSON_OBJECT

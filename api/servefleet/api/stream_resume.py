@@ -16,9 +16,10 @@ from __future__ import annotations
 
 RETURN_TOKEN_IDS = "return_token_ids"
 RESUME_TOKEN_IDS = "resume_token_ids"
+KV_TRANSFER_PARAMS = "kv_transfer_params"  # where to pull KV blocks from (`api.kv_transfer`)
 
 # Fields only the gateway may send an engine: refused from tenants, named in the 400.
-INTERNAL_FIELDS: tuple[str, ...] = (RETURN_TOKEN_IDS, RESUME_TOKEN_IDS)
+INTERNAL_FIELDS: tuple[str, ...] = (RETURN_TOKEN_IDS, RESUME_TOKEN_IDS, KV_TRANSFER_PARAMS)
 
 # Response header of a stream the gateway would continue after a broken replica: `exact` (from
 # token ids: our engine) or `text` (vLLM, SGLang: the delivered text as a prefix, so sampled

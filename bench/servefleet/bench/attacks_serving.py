@@ -18,6 +18,7 @@ from functools import partial
 import httpx
 import psutil
 
+from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH
 from servefleet.bench import attack_payloads as payloads
 from servefleet.bench.attack_common import AttackResult, timed
 from servefleet.bench.attack_sockets import CutResult, slow_body
@@ -241,11 +242,12 @@ LOAD_ADAPTER = "/v1/load_lora_adapter"
 
 
 def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
-    """A tenant calls an engine directly: chat, tokenize, detokenize, models, and loads a
-    LoRA adapter from a path of its choosing, there and through the gateway.
+    """A tenant calls an engine directly: chat, tokenize, detokenize, models, KV transfer,
+    and loads a LoRA adapter from a path of its choosing, there and through the gateway.
 
-    Whoever finds an engine's address gets nothing from it without the engine key; the
-    gateway's tenant port has no adapter control path at all."""
+    Whoever finds an engine's address gets nothing from it without the engine key (KV blocks
+    neither read nor planted); the gateway's tenant port has no adapter control path at all,
+    and refuses `kv_transfer_params` (a pull to an address of the tenant's choosing)."""
     engine = stack.engines[0].url
     chat = payloads.chat("hi", max_tokens=2)
     calls: dict[str, tuple[str, str, dict[str, object] | None]] = {
@@ -254,6 +256,9 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "detokenize": ("POST", "/detokenize", {"model": chat["model"], "tokens": [1, 2]}),
         "models": ("GET", "/v1/models", None),
         "load adapter": ("POST", LOAD_ADAPTER, {"lora_name": "evil", "lora_path": "/etc"}),
+        "kv info": ("GET", INFO_PATH, None),
+        "kv export": ("POST", EXPORT_PATH, {"hashes": ["0" * 32]}),
+        "kv import": ("POST", IMPORT_PATH, None),
     }
     headers = stack.tenant_headers(ATTACKER)
     for label, (method, path, body) in calls.items():
@@ -261,6 +266,14 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         _refused(result, label, call, (401,))
     load = json.dumps(calls["load adapter"][2]).encode()
     _refused(result, "load adapter via gateway", lambda: stack.post(LOAD_ADAPTER, load), (404,))
+    pull = json.dumps({**chat, "kv_transfer_params": {"kv_sources": ["http://127.0.0.1:9"]}})
+    _refused(
+        result,
+        "kv pull via gateway",
+        lambda: stack.post("/v1/chat/completions", pull.encode()),
+        (400,),
+        param="kv_transfer_params",
+    )
     result.outcome = _outcome(result)
 
 

@@ -18,6 +18,9 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
+    # What a cached block's hash was chained from: KV transfer sends both with its bytes.
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -64,6 +67,7 @@ class BlockPool:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
                 block.block_hash = None
+                block.parent_hash, block.token_ids = None, ()
                 self.num_evictions += 1
             block.ref_count = 1
             out.append(block)
@@ -83,13 +87,23 @@ class BlockPool:
                 else:
                     self._free[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: int,
+        parent_hash: int | None = None,
+        token_ids: tuple[int, ...] = (),
+    ) -> bool:
+        """Publish a full block under its hash; False if it stays private (caching off, or
+        an identical block is already indexed)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return  # an identical block is already indexed; this one stays private
+            return False
         block.block_hash = block_hash
+        block.parent_hash, block.token_ids = parent_hash, token_ids
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):

@@ -8,6 +8,7 @@ the table).
 
 from __future__ import annotations
 
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,6 +25,14 @@ from servefleet.api.load_quantization import LoadQuantization
 from servefleet.api.matmul_dtype import MatmulDtype
 from servefleet.api.quantity import parse_memory_size
 from servefleet.api.speculative import SpeculativeConfig
+
+
+def parse_networks(value: str) -> tuple[IPv4Network | IPv6Network, ...]:
+    """`--kv-peer-networks`: comma-separated CIDRs (empty: no peer may be pulled from)."""
+    try:
+        return tuple(ip_network(part.strip()) for part in value.split(",") if part.strip())
+    except ValueError as exc:
+        raise ValueError(f"--kv-peer-networks: {exc}") from exc
 
 
 class EngineSettingsError(ValueError):
@@ -52,6 +61,7 @@ class EngineConfig(BaseModel):
     host: str = knob("host")
     port: int = knob("port")
     api_key: str | None = knob("api_key", repr=False)
+    kv_peer_networks: str = knob("kv_peer_networks")
     dtype: WeightsDtype = knob("dtype")
     device: str = knob("device")
     tool_call_parser: ToolCallParser | None = knob("tool_call_parser")
@@ -85,6 +95,16 @@ class EngineConfig(BaseModel):
         if isinstance(value, str):
             return SpeculativeConfig.model_validate_json(value)
         return value
+
+    @field_validator("kv_peer_networks")
+    @classmethod
+    def _peer_networks(cls, value: str) -> str:
+        parse_networks(value)
+        return value
+
+    @property
+    def peer_networks(self) -> tuple[IPv4Network | IPv6Network, ...]:
+        return parse_networks(self.kv_peer_networks)
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -1,26 +1,25 @@
 """Per-sequence block allocation on top of the block pool.
 
 A full block is named by a hash chained over its parent's hash and its token
-ids, so equal hashes mean equal prefixes; a new sequence takes every cached
-block of its longest cached prefix and only computes the rest.
+ids (`servefleet.api.kv_blocks`), so equal hashes mean equal prefixes; a new
+sequence takes every cached block of its longest cached prefix and only
+computes the rest.
 """
 
 from __future__ import annotations
 
+from servefleet.api import kv_blocks
+from servefleet.api.kv_blocks import chain_hash
 from servefleet.engine.block_pool import BlockPool, KVBlock
 from servefleet.engine.sequence import Sequence
 
-ROOT_HASH = 0x5EF1EE7
-
-
-def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+ROOT_HASH = kv_blocks.root_hash(None)
 
 
 def root_hash(seq: Sequence) -> int:
     """The chain's start: an adapter's sequences start their own chain, so KV computed under
     one adapter (or the base model) is never a prefix hit for another."""
-    return ROOT_HASH if seq.lora is None else hash((ROOT_HASH, seq.lora.identity))
+    return ROOT_HASH if seq.lora is None else kv_blocks.root_hash(seq.lora.identity)
 
 
 class KVCacheManager:
@@ -48,7 +47,7 @@ class KVCacheManager:
         while (len(seq.block_hashes) + 1) * bs <= upto_tokens:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
-            seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+            seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
         """Longest run of cached full blocks; always leaves >= 1 token to compute."""
@@ -105,8 +104,12 @@ class KVCacheManager:
         # step before reading, so a hit within the same step still sees valid data.
         self._update_hashes(seq, upto_tokens)
         full = min(len(seq.block_hashes), len(seq.block_table))
+        bs = self.block_size
         for i in range(seq.num_published_blocks, full):
-            self.pool.cache_block(self.pool.blocks[seq.block_table[i]], seq.block_hashes[i])
+            parent = seq.block_hashes[i - 1] if i else root_hash(seq)
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.blocks[seq.block_table[i]]
+            self.pool.cache_block(block, seq.block_hashes[i], parent, tokens)
         seq.num_published_blocks = max(seq.num_published_blocks, full)
 
     def trim(self, seq: Sequence) -> None:

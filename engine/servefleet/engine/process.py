@@ -29,11 +29,17 @@ from servefleet.engine.kernels import (
 from servefleet.engine.kernels.triton_paged_decode import triton_paged_decode
 from servefleet.engine.kv_budget import MIN_BLOCKS, kv_cache_blocks
 from servefleet.engine.kv_cache import KVCacheManager
+from servefleet.engine.kv_fingerprint import fingerprint_fields, kv_fingerprint
+from servefleet.engine.kv_store import KVStore
 from servefleet.engine.loop import Engine
 from servefleet.engine.lora.setup import build_lora_registry
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.engine.model.config import ModelConfig
-from servefleet.engine.model.kv_layout import allocate_kv_cache, kv_bytes_per_block
+from servefleet.engine.model.kv_layout import (
+    allocate_kv_storage,
+    kv_bytes_per_block,
+    layer_views,
+)
 from servefleet.engine.model.loader import LoadedModel, load_model
 from servefleet.engine.runner import ModelRunner
 from servefleet.engine.sampling_params import SamplingParams
@@ -252,7 +258,7 @@ def build_engine(
             num_blocks,
             budget,
         )
-    kv_caches = allocate_kv_cache(loaded.config, num_blocks, config.block_size, dtype, device)
+    storage = allocate_kv_storage(loaded.config, num_blocks, config.block_size, dtype, device)
     log.info(
         "kv_cache: blocks=%d tokens=%d bytes=%d dtype=%s block_size=%d max_model_len=%d "
         "prefix_caching=%s",
@@ -275,7 +281,7 @@ def build_engine(
         loaded.tokenizer.eos_token_ids,
         build_speculator(config, loaded, (num_blocks, dtype), draft),
     )
-    runner = ModelRunner(loaded.model, kv_caches, config.block_size, device)
+    runner = ModelRunner(loaded.model, layer_views(storage), config.block_size, device)
     metrics = EngineMetrics(config.name)
     metrics.set_kv_cache_layout(str(dtype).removeprefix("torch."), per_block // config.block_size)
     engine = Engine(
@@ -293,8 +299,23 @@ def build_engine(
         tool_call_parser=config.tool_call_parser,
         prepare_timeout_s=config.prepare_timeout,
         loras=build_lora_registry(config, loaded, engine) if config.enable_lora else None,
+        kv_store=build_kv_store(config, loaded, storage, kv),
+        kv_peer_networks=config.peer_networks,
     )
     return BuiltEngine(engine, state, loaded, kv)
+
+
+def build_kv_store(
+    config: EngineConfig, loaded: LoadedModel, storage: torch.Tensor, kv: KVCacheManager
+) -> KVStore:
+    """The cache's storage and identity, for moving blocks between engines."""
+    settings = {
+        "matmul_dtype": config.matmul_dtype,
+        "packed_weights": config.packed_weights,
+        "quantization": config.quantization,
+    }
+    fields = fingerprint_fields(loaded, storage.dtype, config.block_size, settings)
+    return KVStore(storage, kv, kv_fingerprint(fields), fields)
 
 
 def warm_up(built: BuiltEngine) -> None:

@@ -27,22 +27,22 @@ if TYPE_CHECKING:
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The body, refused with a 413 as soon as it grows past the limit (never buffered whole)."""
     declared = request.headers.get("content-length")
     too_large = OpenAIError(
         status=413,
-        message=f"The request body is larger than {MAX_BODY_BYTES} bytes.",
+        message=f"The request body is larger than {limit} bytes.",
         code="request_too_large",
     )
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     parts: list[bytes] = []
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
+            if size > limit:
                 raise too_large
             parts.append(chunk)
     except ClientDisconnect:  # gone, or cut for a body too slow (`api.http_protocol`)
@@ -54,9 +54,9 @@ async def read_body(request: Request) -> bytes:
     return b"".join(parts)
 
 
-async def parse(request: Request, model: type[BodyT]) -> BodyT:
+async def parse(request: Request, model: type[BodyT], limit: int = MAX_BODY_BYTES) -> BodyT:
     """JSON body whatever the Content-Type says (curl -d sends a form type)."""
-    raw = await read_body(request)
+    raw = await read_body(request, limit)
     _, body = parse_request(model, raw)
     return body
 

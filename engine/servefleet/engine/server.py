@@ -25,6 +25,8 @@ from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequ
 from servefleet.api.openai_wire import HeaderLimit
 from servefleet.engine.api_key import ApiKeyMiddleware
 from servefleet.engine.extra_routes import add_extra_routes
+from servefleet.engine.kv_puller import check_kv_transfer, pull_prefix
+from servefleet.engine.kv_routes import add_kv_routes
 from servefleet.engine.loop import EngineDeadError, EngineRequest, SequenceOutput
 from servefleet.engine.lora.adapter import LoraAdapter
 from servefleet.engine.lora_routes import add_lora_routes, model_cards
@@ -59,6 +61,7 @@ def build_app(state: ServingState) -> FastAPI:
     _add_generation_routes(app, state)
     add_extra_routes(app, state)
     add_lora_routes(app, state)
+    add_kv_routes(app, state)
     app.add_middleware(HeaderLimit)
     return app
 
@@ -145,6 +148,7 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
         body = await parse(request, ChatCompletionRequest)
         request_id = new_id("chatcmpl")
         adapter = admit(state, body.model, body.n)
+        check_kv_transfer(state, body.kv_transfer_params)
         inline = check_chat(state, body)  # messages that cannot fit: refused before the template
         prepared = await state.preparer.run(
             lambda budget: prepare_chat(state, body, budget),
@@ -156,6 +160,7 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
         (engine_request,) = _engine_requests(
             state, body, prepared, body.num_logprobs, request_id, adapter
         )
+        await pull_prefix(state, body.kv_transfer_params, engine_request)
         if body.stream:
             return stream_response(state, [engine_request], body, chat=True)
         outputs = await _collect(request, state, [engine_request])
@@ -167,6 +172,7 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
         request_id = new_id("cmpl")
         sequences = body.n * len(body.prompts())
         adapter = admit(state, body.model, sequences, "n" if len(body.prompts()) == 1 else "prompt")
+        check_kv_transfer(state, body.kv_transfer_params)
         inline = check_completion(state, body)  # prompts that cannot fit: refused untokenized
         prepared = await state.preparer.run(
             lambda budget: prepare_completion(state, body, budget),
@@ -178,6 +184,8 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
         engine_requests = _engine_requests(
             state, body, prepared, body.logprobs, request_id, adapter
         )
+        for engine_request in engine_requests:
+            await pull_prefix(state, body.kv_transfer_params, engine_request)
         if body.stream:
             return stream_response(state, engine_requests, body, chat=False)
         outputs = await _collect(request, state, engine_requests)

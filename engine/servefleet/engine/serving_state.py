@@ -10,10 +10,12 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 from servefleet.api.engine_flags import engine_flag
 from servefleet.api.openai_errors import OpenAIError
+from servefleet.engine.kv_store import KVStore
 from servefleet.engine.loop import Engine
 from servefleet.engine.lora.registry import LoraRegistry
 from servefleet.engine.prepare_pool import Preparer
@@ -40,6 +42,8 @@ class ServingState:
     api_key: str | None = field(default=None, repr=False)  # --api-key: all but probes need it
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
     loras: LoraRegistry | None = None  # --enable-lora: the adapters served beside the model
+    kv_store: KVStore | None = None  # the cache's storage and fingerprint: KV transfer
+    kv_peer_networks: tuple[IPv4Network | IPv6Network, ...] = ()  # --kv-peer-networks
     # --prepare-timeout: one request's preparation budget
     prepare_timeout_s: float = engine_flag("prepare_timeout").default  # type: ignore[assignment]
 

@@ -1,0 +1,195 @@
+"""`kv_transfer_params`: pull a request's missing leading KV blocks from peers, then run it.
+
+The gateway (only it: `stream_resume.INTERNAL_FIELDS` refuses the field from tenants, and
+the engine honours it only behind its key) names engines that likely hold the prompt's
+prefix. Before the request is queued this engine hashes the prompt's full blocks exactly as
+its prefix cache does, looks its own cache up, and streams the missing run from each source
+in turn (`kv_routes` export), publishing verified blocks window by window; the scheduler then
+finds them as an ordinary prefix hit and computes only the rest. Nothing here blocks the
+engine thread: pool work goes through `Engine.call`, bytes move on the asyncio loop and a
+worker thread. On any error, or past `deadline_s`, the verified prefix stays and the rest is
+recomputed, so a pull costs at most its deadline. Sources are contacted only inside
+`--kv-peer-networks`, because the engine sends its own key there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from functools import partial
+from ipaddress import ip_address
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import httpx
+
+from servefleet.api.kv_blocks import chain, root_hash
+from servefleet.api.kv_transfer import (
+    EXPORT_PATH,
+    FINGERPRINT_HEADER,
+    MAX_TRANSFER_BLOCKS,
+    WINDOW_BLOCKS,
+    KVTransferParams,
+    Outcome,
+    hash_hex,
+)
+from servefleet.api.openai_errors import OpenAIError
+from servefleet.api.stream_resume import KV_TRANSFER_PARAMS
+from servefleet.engine.kv_store import KVStore, VerifiedBlock
+from servefleet.engine.kv_transfer import import_blocks
+from servefleet.engine.kv_wire import WireError, WireReader
+from servefleet.engine.loop import EngineRequest
+
+if TYPE_CHECKING:
+    from servefleet.engine.serving_state import ServingState
+
+log = logging.getLogger("servefleet.engine.kv")
+_PARAM = KV_TRANSFER_PARAMS + ".kv_sources"
+
+
+def check_kv_transfer(state: ServingState, params: KVTransferParams | None) -> None:
+    """Refuse, naming the field, what this engine cannot honour: no prefix cache, or a
+    source outside --kv-peer-networks (or not an http URL with an IP literal host)."""
+    if params is None:
+        return
+    if state.kv_store is None or not state.kv_store.kv.enable_caching:
+        raise OpenAIError(
+            status=400,
+            message=f"{KV_TRANSFER_PARAMS} needs the prefix cache (drop --no-prefix-caching)",
+            param=KV_TRANSFER_PARAMS,
+        )
+    for source in params.kv_sources:
+        if not _allowed(state, source):
+            raise OpenAIError(
+                status=400,
+                message=f"{_PARAM}: {source!r} is not an http(s) URL inside --kv-peer-networks",
+                param=_PARAM,
+            )
+
+
+def _allowed(state: ServingState, source: str) -> bool:
+    try:
+        parts = urlsplit(source)
+        host = parts.hostname or ""
+        address = ip_address("127.0.0.1" if host == "localhost" else host)
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or parts.path not in ("", "/") or parts.query:
+        return False
+    return any(address in network for network in state.kv_peer_networks)
+
+
+async def pull_prefix(
+    state: ServingState, params: KVTransferParams | None, request: EngineRequest
+) -> int:
+    """Blocks pulled into this cache for `request`'s prompt (0 when nothing was missing)."""
+    store = state.kv_store
+    if params is None or store is None:
+        return 0
+    tokens = [*request.prompt_token_ids, *request.resume_token_ids]
+    usable = (len(tokens) - 1) // store.block_size  # the scheduler always computes one token
+    adapter = request.lora.identity if request.lora is not None else None
+    hashes = chain(root_hash(adapter), tokens[: usable * store.block_size], store.block_size)
+    hashes = hashes[:MAX_TRANSFER_BLOCKS]
+    held = await state.engine.call(partial(store.held_run, hashes))
+    missing = hashes[held:]
+    deadline = time.monotonic() + params.deadline_s
+    pulled = 0
+    for source in params.kv_sources:
+        if not missing or time.monotonic() >= deadline:
+            break
+        got = await _pull_from(state, store, source.rstrip("/"), missing, adapter, deadline)
+        pulled += got
+        missing = missing[got:]
+    if missing:
+        state.engine.metrics.kv_transfer.fallback("incomplete" if pulled else "nothing_pulled")
+    return pulled
+
+
+async def _pull_from(
+    state: ServingState,
+    store: KVStore,
+    source: str,
+    hashes: list[int],
+    adapter: int | None,
+    deadline: float,
+) -> int:
+    """Blocks of `hashes` (from the first) pulled from one source and published here."""
+    started = time.monotonic()
+    reader = WireReader(store.fingerprint, store.block_size, store.bytes_per_block, hashes)
+    committed, reason = 0, None
+    try:
+        committed = await _stream_into(state, store, source, hashes, adapter, reader, deadline)
+    except TimeoutError:
+        reason = "deadline"
+    except WireError as exc:
+        reason = exc.code
+        reader.leftover += exc.blocks
+    except _Refused as exc:
+        reason = exc.reason
+    except httpx.HTTPError as exc:
+        reason = "source_error"
+        log.info("kv_pull_failed source=%s error=%r", source, exc)
+    committed += await import_blocks(state.engine, store, reader.leftover)
+    outcome: Outcome = "ok" if committed == len(hashes) else "partial" if committed else "failed"
+    if reason is not None:
+        state.engine.metrics.kv_transfer.fallback(reason)
+    seconds = time.monotonic() - started
+    nbytes = committed * store.bytes_per_block
+    state.engine.metrics.kv_transfer.transfer("import", outcome, committed, nbytes, seconds)
+    log.info(
+        "kv_pull source=%s asked=%d committed=%d seconds=%.3f reason=%s",
+        source, len(hashes), committed, seconds, reason,
+    )  # fmt: skip
+    return committed
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+async def _stream_into(
+    state: ServingState,
+    store: KVStore,
+    source: str,
+    hashes: list[int],
+    adapter: int | None,
+    reader: WireReader,
+    deadline: float,
+) -> int:
+    """Read the export stream, publishing each full window as it verifies; the verified
+    tail of an unfinished window is left in `reader.leftover` for the caller to publish."""
+    headers = {FINGERPRINT_HEADER: store.fingerprint}
+    if state.api_key:
+        headers["Authorization"] = f"Bearer {state.api_key}"
+    body = {"hashes": [hash_hex(h) for h in hashes], "adapter_identity": adapter}
+    remaining = max(0.001, deadline - time.monotonic())
+    committed = 0
+    reader.leftover = []
+    async with (
+        httpx.AsyncClient(timeout=httpx.Timeout(remaining)) as client,
+        client.stream("POST", source + EXPORT_PATH, json=body, headers=headers) as resp,
+    ):
+        if resp.status_code != 200:
+            reason = "fingerprint_mismatch" if resp.status_code == 409 else "source_error"
+            raise _Refused(reason)
+        chunks = resp.aiter_raw()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            try:
+                chunk = await asyncio.wait_for(anext(chunks), remaining)
+            except StopAsyncIteration:
+                return committed
+            reader.leftover += reader.feed(chunk)
+            if len(reader.leftover) >= WINDOW_BLOCKS:
+                window: list[VerifiedBlock] = reader.leftover
+                reader.leftover = []
+                got = await import_blocks(state.engine, store, window)
+                committed += got
+                if got < len(window):
+                    raise _Refused("pool_full")
