@@ -16,7 +16,12 @@ ENDPOINTS = [f"http://10.0.0.{i}:8000" for i in range(3)]
 
 def _pool(slack: int = 0) -> DeploymentPool:
     config = GatewayDeployment.model_validate(
-        {"name": "d", "model": "m", "tenants": [{"name": "a"}], "pool": {"perReplicaConcurrency": 4}}
+        {
+            "name": "d",
+            "model": "m",
+            "tenants": [{"name": "a"}],
+            "pool": {"perReplicaConcurrency": 4},
+        }
     )
     pool = DeploymentPool(config, RoutingConfig(affinity_slack=slack))
     pool.set_replicas(ENDPOINTS, ready=ENDPOINTS)
@@ -64,6 +69,7 @@ def test_only_long_prompts_carry_the_source_and_never_to_vllm() -> None:
 
 
 def test_rendered_for_servefleet_engines_only() -> None:
-    ours, theirs = deployment("ours", "m1"), deployment("theirs", "m2", engine={"kind": "vllm"})
+    ours, theirs = deployment("ours", "m1"), deployment("theirs", "m2")
+    theirs.spec.engine.kind = "vllm"  # only the kind matters here
     rendered = render_gateway_config([ours, theirs], {}, ResolvedSecretKeys(resolve))
     assert [d.kv_pull_min_tokens for d in rendered.deployments] == [256, None]

@@ -94,8 +94,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "kv_peer_networks",
         "serving",
         "networks (comma-separated CIDRs) of the engines a request's kv_transfer_params may "
-        "name to pull KV blocks from; the engine sends its key there",
-        default="127.0.0.0/8,::1/128",
+        "name to pull KV blocks from; the engine sends its key there (default: loopback and "
+        "the private ranges pod networks use, never a public address)",
+        default="127.0.0.0/8,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,100.64.0.0/10,::1/128,"
+        "fc00::/7",
         metavar="CIDRS",
     ),
     EngineFlag("dtype", "serving", "weights dtype", default="auto", choices=_choices(WeightsDtype)),

@@ -27,6 +27,7 @@ from typing import Any
 MIXES = (0, 1, 4, 8, 16)
 PATHS = ("program", "c-kernel", "torch")
 PROMPT_MIXES = (0, 1, 4, 8)
+KERNEL: list[Any] = []  # the model's LoRA kernel, as loaded
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,8 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict[Any, list[Any]]]:
-    """The engine's model (its LoRA kernel kept as `bench_kernel`: the steps switch it off
-    and on), its config, and the adapters in bfloat16 and float32."""
+    """The engine's model (its LoRA kernel kept in `KERNEL`: the steps switch it off and
+    on), its config, and the adapters in bfloat16 and float32."""
     import torch
 
     from servefleet.bench.lora_throughput import make_adapters
@@ -57,7 +58,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict[Any, list[Any]]
         dtype: [load_adapter(f"a{i}", p, loaded.config, 16, dtype) for i, p in enumerate(paths)]
         for dtype in (torch.bfloat16, torch.float32)
     }
-    loaded.model.bench_kernel = loaded.model.lora_kernel
+    KERNEL.append(loaded.model.lora_kernel)
     return loaded.model, loaded.config, adapters
 
 
@@ -66,7 +67,7 @@ def timed_step(model: Any, path: str, lora: Any, step: Any) -> float:
     import torch
 
     model.one_call_decode = path == "program"
-    model.set_lora_kernel(None if path == "torch" else model.bench_kernel)
+    model.set_lora_kernel(None if path == "torch" else KERNEL[0])
     try:
         with torch.inference_mode():
             started = time.perf_counter()
