@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from servefleet.api.ewma import Ewma
 from servefleet.api.kv_blocks import chain, root_hash
 from servefleet.api.kv_transfer import (
     EXPORT_PATH,
@@ -94,6 +95,9 @@ async def pull_prefix(
     hashes = hashes[:MAX_TRANSFER_BLOCKS]
     held = await state.engine.call(partial(store.held_run, hashes))
     missing = hashes[held:]
+    if missing and not worth_pulling(state.engine.prompt_rate, store, len(missing)):
+        state.engine.metrics.kv_transfer.fallback("recompute_cheaper")
+        return 0
     deadline = time.monotonic() + params.deadline_s
     pulled = 0
     for source in params.kv_sources:
@@ -105,6 +109,19 @@ async def pull_prefix(
     if missing:
         state.engine.metrics.kv_transfer.fallback("incomplete" if pulled else "nothing_pulled")
     return pulled
+
+
+def worth_pulling(prompt_rate: Ewma, store: KVStore, blocks: int) -> bool:
+    """Whether moving `blocks` is expected to take less than recomputing them, from this
+    engine's own measurements: its prompt steps' token rate and past pulls' bandwidth. On a
+    CPU a pull wins by far (SmolLM2: ~5 ms a block over loopback vs ~30 ms to recompute);
+    on a GPU that prefills tens of thousands of tokens a second the HTTP data plane loses
+    for a small model, so the engine recomputes. Unmeasured (no pull or prompt step yet):
+    pull, and so learn."""
+    if prompt_rate.samples == 0 or store.pull_rate.samples == 0:
+        return True
+    pull_s = blocks * store.bytes_per_block / store.pull_rate.value
+    return pull_s < blocks * store.block_size / prompt_rate.value
 
 
 async def _pull_from(
@@ -137,6 +154,8 @@ async def _pull_from(
         state.engine.metrics.kv_transfer.fallback(reason)
     seconds = time.monotonic() - started
     nbytes = committed * store.bytes_per_block
+    if committed >= WINDOW_BLOCKS:  # enough to measure the path, not only its round trip
+        store.pull_rate.update(nbytes / max(seconds, 1e-6))
     state.engine.metrics.kv_transfer.transfer("import", outcome, committed, nbytes, seconds)
     log.info(
         "kv_pull source=%s asked=%d committed=%d seconds=%.3f reason=%s",

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from servefleet.api.ewma import Ewma
 from servefleet.api.kv_transfer import POOL_SHARE
 from servefleet.engine.block_pool import KVBlock, NoFreeBlocksError
 from servefleet.engine.kv_cache import KVCacheManager
@@ -54,6 +55,7 @@ class KVStore:
     fields: dict[str, Any]
     pinned: int = 0  # blocks exports hold now (engine thread)
     staged: int = 0  # blocks imports hold now (engine thread)
+    pull_rate: Ewma = field(default_factory=lambda: Ewma(0.0))  # bytes/s of past pulls
     cap: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from servefleet.api.ewma import Ewma
 from servefleet.api.seeds import new_seed
 from servefleet.engine.lora.adapter import LoraAdapter
 from servefleet.engine.lora.usage import AdapterUsage
@@ -29,6 +30,7 @@ from servefleet.engine.sequence import FinishReason, Sequence
 from servefleet.text.tokenizer import Tokenizer
 
 log = logging.getLogger("servefleet.engine")
+PROMPT_RATE_TOKENS = 64  # a step this large is mostly prompt: its rate is the prefill rate
 
 
 class EngineDeadError(RuntimeError):
@@ -134,6 +136,7 @@ class Engine:
         self.fatal_error: BaseException | None = None
         self.num_in_flight = 0  # requests submitted and not yet finished (asyncio side)
         self.num_in_flight_seqs = 0  # their sequences (n per request)
+        self.prompt_rate = Ewma(0.0)  # tokens/s of steps of PROMPT_RATE_TOKENS+ (kv_puller)
         metrics.num_requests_waiting.set_function(lambda: len(self.scheduler.waiting))
         metrics.num_requests_running.set_function(lambda: len(self.scheduler.running))
         metrics.kv_cache_usage.set_function(lambda: self.scheduler.kv_cache.usage)
@@ -313,6 +316,8 @@ class Engine:
         self.in_step_since = None
         self.metrics.step_seconds.observe(now - started)
         self.metrics.step_tokens.observe(out.num_batched_tokens)
+        if out.num_batched_tokens >= PROMPT_RATE_TOKENS:
+            self.prompt_rate.update(out.num_batched_tokens / max(now - started, 1e-6))
         if self.scheduler.speculator is not None:
             self.metrics.record_spec_decode(self.scheduler.speculator.take_stats())
         self._deliver(result.sampled_seqs, num_before, result.logprobs, now)

@@ -1,4 +1,5 @@
-"""What a pool learns from its own traffic: request duration, cold start, recent latencies.
+"""What a pool learns from its own traffic: recent latencies and rates (request duration and
+cold start are `api.ewma.Ewma`s).
 
 Admission predicts waits from these, and the autoscaler reads them through the pool's stats,
 so they are measured where the requests pass rather than configured.
@@ -8,21 +9,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-
-
-@dataclass(slots=True)
-class Ewma:
-    value: float
-    alpha: float = 0.2
-    samples: int = 0
-
-    def update(self, sample: float) -> None:
-        # The first real measurement replaces the configured prior outright.
-        self.value = (
-            sample if self.samples == 0 else self.value + self.alpha * (sample - self.value)
-        )
-        self.samples += 1
 
 
 class LatencyWindow:

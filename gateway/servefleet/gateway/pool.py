@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from servefleet.api.ewma import Ewma
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
 from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
 from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
-from servefleet.gateway.measurements import Ewma, LatencyWindow, RateWindow
+from servefleet.gateway.measurements import LatencyWindow, RateWindow
 from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
 from servefleet.gateway.pool_types import Lease, Placement, PoolRequest, Shed, Spill
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
