@@ -63,19 +63,23 @@ class ReplicaTargets:
 
     networks: tuple[IPNetwork, ...]
     hosts: frozenset[str]  # names of static endpoints (only when no networks are configured)
-    described: str
+    described: str  # the setting that allows them, for the refusal
 
     @classmethod
     def of(cls, static: Sequence[str], allowed: Sequence[str] | None) -> ReplicaTargets:
+        setting = "the deployment's allowed_replica_networks ({})"
         if allowed is not None:
-            return cls(tuple(parse_networks(allowed)), frozenset(), ", ".join(allowed) or "none")
+            described = setting.format(", ".join(allowed) or "none")
+            return cls(tuple(parse_networks(allowed)), frozenset(), described)
         networks = tuple(
             ipaddress.ip_network(address) for e in static if (address := _address(e)) is not None
         )
         hosts = frozenset(
             host for e in static if (host := urlsplit(e).hostname) and _address(e) is None
         )
-        return cls(networks, hosts, "the static endpoints' hosts" if static else "none")
+        return cls(
+            networks, hosts, setting.format("the static endpoints' hosts" if static else "none")
+        )
 
     def problem(self, endpoint: str) -> str | None:
         """Why `endpoint` may not be a replica of this deployment, or None."""
@@ -89,4 +93,4 @@ class ReplicaTargets:
             allowed = any(address in network for network in self.networks)
         if allowed:
             return None
-        return f"is outside the deployment's allowed_replica_networks ({self.described})"
+        return f"is outside {self.described}"

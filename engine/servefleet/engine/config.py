@@ -8,7 +8,6 @@ the table).
 
 from __future__ import annotations
 
-from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,13 +23,14 @@ from servefleet.api.kv_cache import KVCacheDtype
 from servefleet.api.load_quantization import LoadQuantization
 from servefleet.api.matmul_dtype import MatmulDtype
 from servefleet.api.quantity import parse_memory_size
+from servefleet.api.replica_endpoints import IPNetwork, parse_networks
 from servefleet.api.speculative import SpeculativeConfig
 
 
-def parse_networks(value: str) -> tuple[IPv4Network | IPv6Network, ...]:
+def peer_networks(value: str) -> tuple[IPNetwork, ...]:
     """`--kv-peer-networks`: comma-separated CIDRs (empty: no peer may be pulled from)."""
     try:
-        return tuple(ip_network(part.strip()) for part in value.split(",") if part.strip())
+        return tuple(parse_networks([part.strip() for part in value.split(",") if part.strip()]))
     except ValueError as exc:
         raise ValueError(f"--kv-peer-networks: {exc}") from exc
 
@@ -99,12 +99,12 @@ class EngineConfig(BaseModel):
     @field_validator("kv_peer_networks")
     @classmethod
     def _peer_networks(cls, value: str) -> str:
-        parse_networks(value)
+        peer_networks(value)
         return value
 
     @property
-    def peer_networks(self) -> tuple[IPv4Network | IPv6Network, ...]:
-        return parse_networks(self.kv_peer_networks)
+    def peer_networks(self) -> tuple[IPNetwork, ...]:
+        return peer_networks(self.kv_peer_networks)
 
     @field_validator("kv_cache_memory")
     @classmethod

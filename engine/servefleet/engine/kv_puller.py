@@ -18,9 +18,7 @@ import asyncio
 import logging
 import time
 from functools import partial
-from ipaddress import ip_address
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -36,6 +34,7 @@ from servefleet.api.kv_transfer import (
     hash_hex,
 )
 from servefleet.api.openai_errors import OpenAIError
+from servefleet.api.replica_endpoints import ReplicaTargets
 from servefleet.api.stream_resume import KV_TRANSFER_PARAMS
 from servefleet.engine.kv_store import KVStore, VerifiedBlock
 from servefleet.engine.kv_transfer import import_blocks
@@ -60,25 +59,12 @@ def check_kv_transfer(state: ServingState, params: KVTransferParams | None) -> N
             message=f"{KV_TRANSFER_PARAMS} needs the prefix cache (drop --no-prefix-caching)",
             param=KV_TRANSFER_PARAMS,
         )
+    # a source is checked as a replica endpoint is (an address, never a name: it resolves
+    # where nobody checked it), inside this engine's peer networks
+    peers = ReplicaTargets(state.kv_peer_networks, frozenset(), "this engine's --kv-peer-networks")
     for source in params.kv_sources:
-        if not _allowed(state, source):
-            raise OpenAIError(
-                status=400,
-                message=f"{_PARAM}: {source!r} is not an http(s) URL inside --kv-peer-networks",
-                param=_PARAM,
-            )
-
-
-def _allowed(state: ServingState, source: str) -> bool:
-    try:
-        parts = urlsplit(source)
-        host = parts.hostname or ""
-        address = ip_address("127.0.0.1" if host == "localhost" else host)
-    except ValueError:
-        return False
-    if parts.scheme not in ("http", "https") or parts.path not in ("", "/") or parts.query:
-        return False
-    return any(address in network for network in state.kv_peer_networks)
+        if (problem := peers.problem(source)) is not None:
+            raise OpenAIError(status=400, message=f"{_PARAM}: {source!r} {problem}", param=_PARAM)
 
 
 async def pull_prefix(

@@ -10,11 +10,11 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 from servefleet.api.engine_flags import engine_flag
 from servefleet.api.openai_errors import OpenAIError
+from servefleet.api.replica_endpoints import IPNetwork
 from servefleet.engine.kv_store import KVStore
 from servefleet.engine.loop import Engine
 from servefleet.engine.lora.registry import LoraRegistry
@@ -43,7 +43,7 @@ class ServingState:
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
     loras: LoraRegistry | None = None  # --enable-lora: the adapters served beside the model
     kv_store: KVStore | None = None  # the cache's storage and fingerprint: KV transfer
-    kv_peer_networks: tuple[IPv4Network | IPv6Network, ...] = ()  # --kv-peer-networks
+    kv_peer_networks: tuple[IPNetwork, ...] = ()  # --kv-peer-networks
     # --prepare-timeout: one request's preparation budget
     prepare_timeout_s: float = engine_flag("prepare_timeout").default  # type: ignore[assignment]
 
