@@ -37,6 +37,8 @@ from conftest import CHART, RELEASE, SYSTEM_NAMESPACE
 from k8s.kube_gateway import KubeGateway, endpoint_slice, host_address, stand_in
 from k8s.kubectl import Kube, OperatorProcess, condition, wait_for
 
+from servefleet.api.conventions import engine_selector
+
 EVIL = "aaa-evil"  # sorts before the victim's namespace
 VICTIM = "team-victim"
 MODEL = "llama"
@@ -405,9 +407,12 @@ def test_engine_pods_pass_the_restricted_pod_security_standard(
     policy = kube.get("networkpolicy", "plain-engine", RESTRICTED)
     assert policy is not None
     peers = policy["spec"]["ingress"][0]["from"]
-    # A pod of the team's own namespace labelled like the gateway matches no peer.
+    # A pod of the team's own namespace labelled like the gateway matches no peer; the last
+    # peer is the deployment's own engines (its namespace only), which pull KV from each other.
     chart_namespace = {"matchLabels": {"kubernetes.io/metadata.name": SYSTEM_NAMESPACE}}
-    assert [p["namespaceSelector"] for p in peers] == [chart_namespace, chart_namespace]
+    selectors = [p.get("namespaceSelector") for p in peers]
+    assert selectors == [chart_namespace, chart_namespace, None]
+    assert peers[2] == {"podSelector": {"matchLabels": engine_selector("plain")}}
 
 
 # ----------------------------------------------------------------------------- RBAC
