@@ -150,6 +150,31 @@ class RoutingConfig(ConfigModel):
     probe_interval_seconds: float = Field(default=1.0, gt=0, description="Readiness probing.")
 
 
+class PrefillRouting(ConfigModel):
+    """The prefill pool of a disaggregated deployment, as the gateway sees it
+    (`servefleet.api.disaggregation`); `GatewayDeployment.endpoints`/`service` is the decode
+    pool."""
+
+    endpoints: list[str] = Field(
+        default_factory=list, description="Static prefill replica base URLs (local mode)."
+    )
+    service: ServiceRef | None = Field(default=None, description="EndpointSlices to watch.")
+    pool: PoolSpec = Field(default_factory=PoolSpec, description="Prefill pool bounds.")
+    threshold: int = Field(
+        default=256,
+        ge=0,
+        description="Uncached prompt tokens below which the decode replica prefills itself.",
+    )
+    protocol: Literal["servefleet", "vllm", "sglang"] = Field(
+        default="servefleet",
+        description="How prefill and decode are joined: servefleet (the decode engine pulls "
+        "from the named prefill engine), vllm (NIXL proxy flow), sglang (bootstrap room).",
+    )
+    bootstrap_port: int = Field(
+        default=8998, ge=1, le=65535, description="SGLang's disaggregation bootstrap port."
+    )
+
+
 class GatewayDeployment(ConfigModel):
     """One LLMDeployment as the gateway sees it."""
 
@@ -233,6 +258,10 @@ class GatewayDeployment(ConfigModel):
         description="The engines' context length (tokens); unset: the model's, when the "
         "gateway has its tokenizer. A prompt whose length proves it cannot fit is a 400 "
         "before anything tokenizes it.",
+    )
+    prefill: PrefillRouting | None = Field(
+        default=None,
+        description="Disaggregated prefill/decode: the prefill pool; unset: colocated.",
     )
     allowed_replica_networks: list[str] | None = Field(
         default=None,

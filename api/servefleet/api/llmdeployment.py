@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
+from servefleet.api.disaggregation import DisaggregationSpec
 from servefleet.api.engine_spec import Dtype, EngineKind, EngineSpec, EnvVar, ResourceRequirements
 from servefleet.api.load_quantization import LOAD_QUANTIZATIONS, LoadQuantization
 from servefleet.api.model_source import (
@@ -237,6 +238,11 @@ class LLMDeploymentSpec(ApiModel):
     spillover: SpilloverSpec | None = Field(default=None, description="Overflow to a hosted API.")
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec, description="Where engine pods run."
+    )
+    disaggregation: DisaggregationSpec | None = Field(
+        default=None,
+        description="Separate prefill and decode pools (the deployment's pool decodes); "
+        "unset: each replica prefills and decodes (colocated).",
     )
 
     @model_validator(mode="after")
