@@ -32,6 +32,50 @@ DEFAULT_THRESHOLD_TOKENS = 256
 pdThreshold): a short prompt costs less to compute than to hand over."""
 
 
+TRANSFER_ENGINES: dict[str, tuple[str, ...]] = {
+    "http": ("servefleet",),
+    "nixl": ("vllm", "sglang"),
+    "mooncake": ("sglang",),
+}
+"""The engine kinds each transport runs on (ours speaks only http; vLLM's NixlConnector;
+SGLang's --disaggregation-transfer-backend nixl|mooncake)."""
+
+
+def transfer_message(transfer: str) -> str:
+    """The one error for a transport the engine kind cannot run (pydantic and CEL)."""
+    kinds = " or ".join(TRANSFER_ENGINES[transfer])
+    hint = {
+        "http": " (vllm and sglang: transfer nixl)",
+        "nixl": " (servefleet: transfer http)",
+        "mooncake": "",
+    }[transfer]
+    return f"disaggregation.transfer {transfer} runs only on engine.kind {kinds}{hint}"
+
+
+def transfer_refusal(engine_kind: str, disaggregation: DisaggregationSpec | None) -> str | None:
+    """Why this engine kind cannot run the declared transport, or None."""
+    if disaggregation is None or engine_kind in TRANSFER_ENGINES[disaggregation.transfer]:
+        return None
+    return transfer_message(disaggregation.transfer)
+
+
+def transfer_cel_rules() -> list[dict[str, str]]:
+    """The same check as `transfer_refusal`, as CEL on LLMDeploymentSpec (one rule per
+    transport, so the API server's message names the one that failed)."""
+    rules = []
+    for transfer, kinds in TRANSFER_ENGINES.items():
+        allowed = ", ".join(f"'{k}'" for k in kinds)
+        rules.append(
+            cel_rule(
+                "!has(self.disaggregation) || "
+                "(has(self.disaggregation.transfer) ? self.disaggregation.transfer : 'http') "
+                f"!= '{transfer}' || self.engine.kind in [{allowed}]",
+                transfer_message(transfer),
+            )
+        )
+    return rules
+
+
 class PrefillPoolSpec(ApiModel):
     """The prefill pool: its bounds, resources, engine arguments and scaling signal."""
 

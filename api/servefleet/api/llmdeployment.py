@@ -18,7 +18,11 @@ from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
-from servefleet.api.disaggregation import DisaggregationSpec
+from servefleet.api.disaggregation import (
+    DisaggregationSpec,
+    transfer_cel_rules,
+    transfer_refusal,
+)
 from servefleet.api.engine_spec import Dtype, EngineKind, EngineSpec, EnvVar, ResourceRequirements
 from servefleet.api.load_quantization import LOAD_QUANTIZATIONS, LoadQuantization
 from servefleet.api.model_source import (
@@ -207,6 +211,7 @@ class LLMDeploymentSpec(ApiModel):
                     "!(self.model.quantization in ['int8', 'int4'])",
                     LOAD_QUANTIZATION_MESSAGE,
                 ),
+                *transfer_cel_rules(),
             ]
         }
     )
@@ -264,6 +269,8 @@ class LLMDeploymentSpec(ApiModel):
             raise ValueError(QUANTIZATION_MESSAGE)
         if self.engine.kind != "servefleet" and self.model.quantization in LOAD_QUANTIZATIONS:
             raise ValueError(LOAD_QUANTIZATION_MESSAGE)
+        if refused := transfer_refusal(self.engine.kind, self.disaggregation):
+            raise ValueError(refused)
         return self
 
     def desired_replicas(self) -> int:
