@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from servefleet.api.disaggregation import Role
+from servefleet.api.disaggregation_flags import role_args, role_extra_args
 from servefleet.api.engine_flags import API_KEY_ENV, flag
 from servefleet.api.llmdeployment import VLLM_QUANTIZATIONS, EngineKind, LLMDeploymentSpec
 from servefleet.api.load_quantization import LOAD_QUANTIZATIONS
@@ -82,11 +84,14 @@ class EngineAdapter:
         listen: EngineListen,
         *,
         api_key: bool = False,
+        role: Role | None = None,
     ) -> list[str]:
         """Every engine flag: ours from the spec (with `api_key`: those requiring the key
-        in `api_key_env`), then the user's extra args (which win)."""
+        in `api_key_env`; with `role`: a disaggregated pool's, `disaggregation_flags`), then
+        the user's extra args (which win), then a prefill replica's own."""
         key = self.api_key_args() if api_key else []
-        return [*self.build_args(spec, model_path, listen), *key, *spec.engine.args]
+        ours = [*self.build_args(spec, model_path, listen), *role_args(spec, role)]
+        return [*ours, *key, *spec.engine.args, *role_extra_args(spec, role)]
 
     def pod_listen(self) -> EngineListen:
         """Where the engine listens inside a pod."""
