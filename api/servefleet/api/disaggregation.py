@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
+from pydantic.json_schema import JsonDict
 
 from servefleet.api.api_model import ApiModel, cel_rule
 from servefleet.api.engine_spec import ResourceRequirements
@@ -59,10 +60,10 @@ def transfer_refusal(engine_kind: str, disaggregation: DisaggregationSpec | None
     return transfer_message(disaggregation.transfer)
 
 
-def transfer_cel_rules() -> list[dict[str, str]]:
+def transfer_cel_rules() -> list[JsonDict]:
     """The same check as `transfer_refusal`, as CEL on LLMDeploymentSpec (one rule per
     transport, so the API server's message names the one that failed)."""
-    rules = []
+    rules: list[JsonDict] = []
     for transfer, kinds in TRANSFER_ENGINES.items():
         allowed = ", ".join(f"'{k}'" for k in kinds)
         rules.append(
