@@ -78,10 +78,14 @@ def verbs_on(rules: list[dict[str, Any]], resource: str) -> set[str]:
     return {v for r in rules if resource in r["resources"] for v in r["verbs"]}
 
 
-def test_operator_rbac_never_deletes_and_never_reads_secrets() -> None:
+def test_operator_rbac_deletes_only_a_prefill_pool_and_never_reads_secrets() -> None:
     rules = component_rules("operator")
     assert rules
-    assert not any("delete" in r["verbs"] or "deletecollection" in r["verbs"] for r in rules)
+    # The garbage collector removes children; the operator deletes by hand only a removed
+    # prefill pool (spec.disaggregation): its Deployment and Service, one by one.
+    deleting = {res for r in rules if "delete" in r["verbs"] for res in r["resources"]}
+    assert deleting == {"deployments", "services"}
+    assert not any("deletecollection" in r["verbs"] for r in rules)
     # Secrets: only `create` (the engine key, written once); never get/list/watch/patch.
     assert verbs_on(rules, "secrets") == {"create"}
     text = (CHART / "templates" / "rbac.yaml").read_text()

@@ -162,3 +162,20 @@ async def test_watch_resumes_after_a_routine_end_and_lists_again_after_410() -> 
     requests = [(c.query.get("watch"), c.query.get("resourceVersion")) for c in api.calls]
     assert requests == [(None, None), ("true", "10"), ("true", "15"), (None, None), ("true", "30")]
     assert {c.query["labelSelector"] for c in api.calls} == {"x=y"}
+
+
+async def test_delete_propagates_in_the_background_and_a_gone_object_is_false() -> None:
+    def answer(call: Call) -> tuple[int, Any]:
+        if call.path.endswith("/gone"):
+            return 404, {"kind": "Status", "message": "not found"}
+        return 200, {"kind": "Status", "status": "Success"}
+
+    async with fake_kube(answer) as (api, kube):
+        assert await kube.delete(DEPLOYMENTS, "ns", "m-prefill") is True
+        assert await kube.delete(DEPLOYMENTS, "ns", "gone") is False
+    call = api.calls[0]
+    assert (call.method, call.path) == (
+        "DELETE",
+        "/apis/apps/v1/namespaces/ns/deployments/m-prefill",
+    )
+    assert call.body["propagationPolicy"] == "Background"

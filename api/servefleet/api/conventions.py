@@ -23,6 +23,9 @@ ANNOTATION_ROUTE_SIGNATURE = f"{API_GROUP}/route-signature"
 gateway serves no route without a valid one."""
 
 COMPONENT_ENGINE = "engine"
+COMPONENT_PREFILL_ENGINE = "prefill-engine"
+"""The prefill pool's pods (`servefleet.api.disaggregation`): a component of their own, so the
+decode pool's selector, Service and scale subresource never count them."""
 COMPONENT_GATEWAY_ROUTE = "gateway-route"
 
 # --------------------------------------------------------------------------- Kubernetes' labels
@@ -114,6 +117,11 @@ def route_object_name(deployment: str) -> str:
 def engine_selector(deployment: str) -> dict[str, str]:
     """Labels selecting one deployment's engine pods."""
     return {LABEL_DEPLOYMENT: deployment, LABEL_COMPONENT: COMPONENT_ENGINE}
+
+
+def prefill_selector(deployment: str) -> dict[str, str]:
+    """Labels selecting one deployment's prefill engine pods (disaggregated P/D)."""
+    return {LABEL_DEPLOYMENT: deployment, LABEL_COMPONENT: COMPONENT_PREFILL_ENGINE}
 
 
 def label_selector(labels: dict[str, str]) -> str:

@@ -36,6 +36,14 @@ class PodDeletionCost(ApiModel):
     cost: int = Field(description="Its controller.kubernetes.io/pod-deletion-cost.")
 
 
+class PoolStatus(ApiModel):
+    """A second pool's counts (the prefill pool of a disaggregated deployment)."""
+
+    replicas: int = Field(default=0, description="Pods that exist.")
+    desired_replicas: int = Field(default=0, description="Replicas the operator converges to.")
+    ready_replicas: int = Field(default=0, description="Replicas ready to serve.")
+
+
 class LLMDeploymentStatus(ApiModel):
     """What the operator observed; written through the status subresource."""
 
@@ -67,6 +75,11 @@ class LLMDeploymentStatus(ApiModel):
         "controller.kubernetes.io/pod-deletion-cost annotation before it scales the engine "
         "Deployment, so the ReplicaSet removes the idlest replica and the autoscaler needs no "
         "write access to pods.",
+    )
+    prefill: PoolStatus | None = Field(
+        default=None,
+        description="The prefill pool (spec.disaggregation); the fields above are the decode "
+        "pool's.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servefleet.api.conventions import SHM_MOUNT, SHM_VOLUME
+from servefleet.api.disaggregation import Role
 from servefleet.api.engines import engine_adapter
 from servefleet.api.llmdeployment import LLMDeploymentSpec
 from servefleet.api.quantity import parse_memory_size
@@ -67,10 +68,14 @@ class EngineResources:
         return parse_memory_size(memory).bytes if memory is not None else None
 
 
-def engine_resources(spec: LLMDeploymentSpec) -> EngineResources:
-    """What a replica of `spec` takes."""
+def engine_resources(spec: LLMDeploymentSpec, role: Role | None = None) -> EngineResources:
+    """What a replica of `spec` takes (`role` prefill: `disaggregation.prefill.resources`
+    when set)."""
     engine = spec.engine
     res = engine.resources
+    block = spec.disaggregation
+    if role == "prefill" and block is not None and block.prefill.resources is not None:
+        res = block.prefill.resources
     return EngineResources(
         requests=dict(res.requests),
         limits=dict(res.limits),

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from pydantic import SecretStr
 
+from servefleet.api.disaggregation_flags import SGLANG_BOOTSTRAP_PORT
 from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import (
     ApiKeyRef,
@@ -20,6 +21,7 @@ from servefleet.api.gateway_config import (
     GatewayConfig,
     GatewayDeployment,
     GatewayTenant,
+    PrefillRouting,
     RedisConfig,
     SecretValueRef,
     ServiceRef,
@@ -27,7 +29,7 @@ from servefleet.api.gateway_config import (
     hash_api_key,
 )
 from servefleet.api.llmadapter import LLMAdapter
-from servefleet.api.llmdeployment import LLMDeployment, SecretKeyRef, TenantSpec
+from servefleet.api.llmdeployment import LLMDeployment, PoolSpec, SecretKeyRef, TenantSpec
 from servefleet.api.local_volumes import local_pvc_folder
 from servefleet.api.lora_source import kube_lora_path
 
@@ -88,6 +90,8 @@ def render_gateway_config(
     allowed_replica_networks: list[str] | None = None,
     adapters: Sequence[LLMAdapter] = (),
     local_volumes: Mapping[str, str] | None = None,
+    prefill_services: Mapping[str, ServiceRef] | None = None,
+    prefill_endpoints: Mapping[str, list[str]] | None = None,
 ) -> GatewayConfig:
     """The gateway config for a set of LLMDeployments and the LLMAdapters served on them.
 
@@ -100,6 +104,8 @@ def render_gateway_config(
     a deployment's replicas.
     `adapters` must each name one of `deployments` (same namespace); their folders are where
     `adapter_path` says, local mode's when `local_volumes` (claim → folder) is given.
+    `prefill_services` / `prefill_endpoints` are a disaggregated deployment's prefill pool,
+    as `services` / `endpoints` are its decode pool (ignored without spec.disaggregation).
     """
     tenants: dict[str, GatewayTenant] = {}
     rendered: list[GatewayDeployment] = []
@@ -135,6 +141,11 @@ def render_gateway_config(
                 spillover=enabled_spill,
                 spillover_api_key=_secret_value(key_source, spill_ref),
                 engine_api_key=_secret_value(key_source, engine_key_ref),
+                prefill=_prefill_routing(
+                    dep,
+                    (prefill_services or {}).get(dep.name),
+                    (prefill_endpoints or {}).get(dep.name, []),
+                ),
             )
         )
     return GatewayConfig(
@@ -143,6 +154,29 @@ def render_gateway_config(
         redis=redis,
         tenants=list(tenants.values()),
         deployments=rendered,
+    )
+
+
+def _prefill_routing(
+    dep: LLMDeployment, service: ServiceRef | None, endpoints: list[str]
+) -> PrefillRouting | None:
+    """The prefill pool as the gateway sees it; None when colocated. The protocol is the
+    engine kind: how that engine joins a prefill and a decode replica."""
+    block = dep.spec.disaggregation
+    if block is None:
+        return None
+    prefill = block.prefill
+    return PrefillRouting(
+        endpoints=list(endpoints),
+        service=service,
+        pool=PoolSpec(
+            min_replicas=prefill.min_replicas,
+            max_replicas=prefill.max_replicas,
+            per_replica_concurrency=prefill.per_replica_concurrency,
+        ),
+        threshold=block.threshold,
+        protocol=dep.spec.engine.kind,
+        bootstrap_port=SGLANG_BOOTSTRAP_PORT,
     )
 
 

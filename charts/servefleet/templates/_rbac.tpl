@@ -28,8 +28,10 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 - apiGroups: [servefleet.io]
   resources: [llmdeployments/finalizers]
   verbs: [update]
-# Children, written by server-side apply (create + patch); never deleted by hand:
-# the garbage collector removes them through their owner references.
+# Children, written by server-side apply (create + patch); the garbage collector removes
+# them through their owner references when the LLMDeployment goes. Deleted by hand only:
+# the prefill pool's Deployment and Service when spec.disaggregation is removed (read
+# first, and deleted only when this LLMDeployment owns them).
 - apiGroups: [""]
   resources: [configmaps, services]
   verbs: [create, patch]
@@ -42,6 +44,12 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [delete]
 # The engine key Secret: created once when absent, never read (no get) nor rewritten.
 - apiGroups: [""]
   resources: [secrets]

@@ -188,6 +188,16 @@ class KubeClient:
             raise
         return True
 
+    async def delete(self, resource: Resource, namespace: str | None, name: str) -> bool:
+        """Delete one object (its dependents in the background); False when it was gone."""
+        body = await self._json(
+            "DELETE",
+            resource.path(namespace, name),
+            body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            missing_ok=True,
+        )
+        return body is not None
+
     async def patch(
         self,
         resource: Resource,

@@ -12,6 +12,7 @@ every container non-root with a read-only root filesystem, no service-account to
 from __future__ import annotations
 
 import base64
+import copy
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,10 @@ from servefleet.api.conventions import (
     PART_OF,
     SCRATCH_MOUNT,
     engine_key_secret_name,
-    engine_selector,
 )
 from servefleet.api.engines import EngineAdapter
 from servefleet.api.llmdeployment import LLMDeployment
+from servefleet.operator.pools import engine_pods_selector
 
 ENGINE_KEY_BYTES = 32
 
@@ -100,7 +101,8 @@ def _chart_pods(component: str, namespace: str) -> dict[str, Any]:
 def network_policy(dep: LLMDeployment, meta: dict[str, Any], peers: EnginePeers) -> dict[str, Any]:
     """Ingress to the engine pods only from the gateway, the autoscaler, Prometheus and
     (servefleet engines) the deployment's own engines, which pull KV blocks from each other
-    (`/internal/kv/export`, behind the same engine key).
+    (`/internal/kv/export`, behind the same engine key). Disaggregated, the prefill pool's
+    pods are fenced by the same policy and are among the deployment's own engines.
 
     Ingress only: engines still reach model sources and the kubelet still probes them.
     """
@@ -108,23 +110,26 @@ def network_policy(dep: LLMDeployment, meta: dict[str, Any], peers: EnginePeers)
         _chart_pods(CHART_COMPONENT_GATEWAY, peers.system_namespace),
         _chart_pods(CHART_COMPONENT_AUTOSCALER, peers.system_namespace),
     ]
+    own = engine_pods_selector(dep)
     if dep.spec.engine.kind == "servefleet":
-        sources.append({"podSelector": {"matchLabels": engine_selector(dep.name)}})
+        sources.append({"podSelector": copy.deepcopy(own)})
     if peers.metrics_namespaces:
         names = sorted(set(peers.metrics_namespaces))
         selector = {"key": LABEL_NAMESPACE_NAME, "operator": "In", "values": names}
         sources.append({"namespaceSelector": {"matchExpressions": [selector]}})
+    ingress: list[dict[str, Any]] = [
+        {"from": sources, "ports": [{"port": ENGINE_PORT_NAME, "protocol": "TCP"}]}
+    ]
+    if dep.spec.disaggregation is not None and dep.spec.engine.kind != "servefleet":
+        # vLLM's NIXL and SGLang's Mooncake/NIXL hand KV over on ports UCX or Mooncake pick
+        # at run time (beside the side channel / bootstrap port): the deployment's own
+        # engines, and only they, reach each other on every port.
+        ingress.append({"from": [{"podSelector": copy.deepcopy(own)}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": meta,
-        "spec": {
-            "podSelector": {"matchLabels": engine_selector(dep.name)},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": sources, "ports": [{"port": ENGINE_PORT_NAME, "protocol": "TCP"}]}
-            ],
-        },
+        "spec": {"podSelector": own, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
 

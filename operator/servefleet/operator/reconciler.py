@@ -27,6 +27,8 @@ from servefleet.operator import render
 from servefleet.operator.adapter_sync import AdapterSync, NamespaceAdapters
 from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
 from servefleet.operator.policy import default_allowed_images
+from servefleet.operator.pool_cleanup import remove_prefill_pool
+from servefleet.operator.pools import prefill_object_name
 from servefleet.operator.status import (
     EventSpec,
     Observed,
@@ -181,6 +183,12 @@ class Reconciler:
                 await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
             except KubeError as exc:
                 return f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
+        if dep.spec.disaggregation is None and dep.status.prefill is not None:
+            try:  # the block was deleted: status still shows the pool that ran
+                removed = await remove_prefill_pool(self.client, dep)
+            except KubeError as exc:
+                return f"removing the prefill pool of {dep.name}: {exc.message}"
+            log.info("%s/%s: removed %s", dep.namespace, dep.name, ", ".join(removed) or "nothing")
         return None
 
     async def _apply_deletion_costs(self, dep: LLMDeployment) -> None:
@@ -326,8 +334,14 @@ class Reconciler:
         self, dep: LLMDeployment, error: str | None, refused: tuple[str, str] | None = None
     ) -> None:
         deployment = await self.client.get(DEPLOYMENTS, dep.namespace, render.engine_name(dep))
+        prefill = None
+        if dep.spec.disaggregation is not None or dep.status.prefill is not None:
+            name = prefill_object_name(dep.name)
+            prefill = await self.client.get(DEPLOYMENTS, dep.namespace, name)
         pods, logs = await self._observe_fetches(dep)
-        observed = Observed(deployment, error, refused, pods=pods, fetch_logs=logs)
+        observed = Observed(
+            deployment, error, refused, pods=pods, fetch_logs=logs, prefill_deployment=prefill
+        )
         new = compute_status(dep, observed, self.endpoint, _now())
         if status_patch(new) == status_patch(dep.status):
             return

@@ -20,19 +20,11 @@ from servefleet.api.conventions import (
     ANNOTATION_ROUTE_SIGNATURE,
     COMPONENT_ENGINE,
     COMPONENT_GATEWAY_ROUTE,
-    ENGINE_APP_NAME,
     ENGINE_CONTAINER,
     ENGINE_PORT_NAME,
-    FIELD_MANAGER_OPERATOR,
-    LABEL_APP_INSTANCE,
-    LABEL_APP_MANAGED_BY,
-    LABEL_APP_NAME,
-    LABEL_APP_PART_OF,
     LABEL_COMPONENT,
-    LABEL_DEPLOYMENT,
     LABEL_ENGINE,
     LABEL_GATEWAY_ROUTE,
-    PART_OF,
     ROUTE_GATEWAY_KEY,
     SCRATCH_MOUNT,
     SCRATCH_VOLUME,
@@ -43,13 +35,16 @@ from servefleet.api.conventions import (
     label_selector,
     route_object_name,
 )
+from servefleet.api.disaggregation import Role
 from servefleet.api.engine_resources import engine_resources
 from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import ServiceRef
 from servefleet.api.gateway_render import MountedSecretKeys, render_gateway_config
 from servefleet.api.llmadapter import LLMAdapter
-from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
+from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.api.route_signature import route_signature
+from servefleet.operator.child_meta import child_meta as _meta
+from servefleet.operator.child_meta import common_labels
 from servefleet.operator.isolation import (
     CONTAINER_SECURITY,
     POD_SECURITY,
@@ -76,6 +71,17 @@ from servefleet.operator.policy import (
     engine_image,
 )
 from servefleet.operator.policy import refusal as policy_refusal
+from servefleet.operator.pools import (
+    decode_role,
+    pool_component,
+    pool_name,
+    pool_replicas,
+    pool_selector,
+    prefill_object_name,
+    role_container_env,
+    role_container_ports,
+    role_labels,
+)
 
 
 @dataclass(frozen=True)
@@ -122,46 +128,13 @@ def selector_string(dep: LLMDeployment) -> str:
     return label_selector(selector_labels(dep))
 
 
-def common_labels(dep: LLMDeployment) -> dict[str, str]:
-    return {
-        LABEL_APP_NAME: ENGINE_APP_NAME,
-        LABEL_APP_INSTANCE: dep.name,
-        LABEL_APP_PART_OF: PART_OF,
-        LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR,
-        LABEL_DEPLOYMENT: dep.name,
-    }
-
-
-def owner_reference(dep: LLMDeployment) -> dict[str, Any]:
-    if not dep.metadata.uid:
-        raise ValueError(
-            f"{KIND} {dep.namespace}/{dep.name} has no uid; read it from the API server"
-        )
-    return {
-        "apiVersion": FULL_API_VERSION,
-        "kind": KIND,
-        "name": dep.name,
-        "uid": dep.metadata.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _meta(
-    dep: LLMDeployment, name: str, extra_labels: dict[str, str] | None = None
-) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": dep.namespace,
-        "labels": {**common_labels(dep), **(extra_labels or {})},
-        "ownerReferences": [owner_reference(dep)],
-    }
-
-
 # --------------------------------------------------------------------------- engine pods
 
 
-def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[str, Any]:
+def engine_pod_template(
+    dep: LLMDeployment, settings: RenderSettings, role: Role | None = None
+) -> dict[str, Any]:
+    """One engine pod; `role` (disaggregated) adds that pool's flags, env, ports and labels."""
     engine = dep.spec.engine
     adapter = engine_adapter(engine.kind)
     image = engine_image(dep, settings.engine_image)
@@ -171,7 +144,7 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         settings.image_pull_policy,
         settings.host_path_prefixes,
     )
-    resources = engine_resources(dep.spec)
+    resources = engine_resources(dep.spec, role)
     scratch = {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT}
     volumes = [*model.volumes, {"name": SCRATCH_VOLUME, "emptyDir": {}}, *resources.volumes()]
     mounts = [*model.mounts, scratch, *resources.mounts()]
@@ -184,14 +157,20 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         "image": image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(adapter.command),
-        "args": adapter.args(dep.spec, model.model_arg, adapter.pod_listen(), api_key=True),
-        "ports": [{"name": ENGINE_PORT_NAME, "containerPort": adapter.port, "protocol": "TCP"}],
+        "args": adapter.args(
+            dep.spec, model.model_arg, adapter.pod_listen(), api_key=True, role=role
+        ),
+        "ports": [
+            {"name": ENGINE_PORT_NAME, "containerPort": adapter.port, "protocol": "TCP"},
+            *role_container_ports(dep, role),
+        ],
         **probes(adapter, engine.startup_timeout_seconds),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
         "env": [
             *engine_key_env(dep, adapter),
             *scratch_env(dep),
             *lora_env(dep, adapter),
+            *role_container_env(dep, role),
             *user_env(dep),
         ],
         "volumeMounts": mounts,
@@ -216,23 +195,32 @@ def engine_pod_template(dep: LLMDeployment, settings: RenderSettings) -> dict[st
         del spec["initContainers"]
     return {
         "metadata": {
-            "labels": {**common_labels(dep), **selector_labels(dep), LABEL_ENGINE: engine.kind},
+            "labels": {
+                **common_labels(dep),
+                **pool_selector(dep, role),
+                LABEL_ENGINE: engine.kind,
+                **role_labels(role),
+            },
         },
         "spec": spec,
     }
 
 
-def engine_deployment(dep: LLMDeployment, settings: RenderSettings) -> dict[str, Any]:
+def engine_deployment(
+    dep: LLMDeployment, settings: RenderSettings, role: Role | None = None
+) -> dict[str, Any]:
     """The engine workload. maxUnavailable 0 / maxSurge 1: a rollout adds a new replica,
     waits until it is ready (model warm), then removes an old one, so the number of
-    ready replicas never drops below the desired count, hence never below the warm pool."""
+    ready replicas never drops below the desired count, hence never below the warm pool.
+    `role` prefill: the prefill pool's (`pools`); otherwise the deployment's own pool."""
+    role = decode_role(dep) if role is None else role
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
+        "metadata": _meta(dep, pool_name(dep, role), {LABEL_COMPONENT: pool_component(role)}),
         "spec": {
-            "replicas": dep.spec.desired_replicas(),
-            "selector": {"matchLabels": selector_labels(dep)},
+            "replicas": pool_replicas(dep, role),
+            "selector": {"matchLabels": pool_selector(dep, role)},
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
@@ -240,21 +228,22 @@ def engine_deployment(dep: LLMDeployment, settings: RenderSettings) -> dict[str,
             "minReadySeconds": 0,
             "progressDeadlineSeconds": dep.spec.engine.startup_timeout_seconds + 300,
             "revisionHistoryLimit": 3,
-            "template": engine_pod_template(dep, settings),
+            "template": engine_pod_template(dep, settings, role),
         },
     }
 
 
-def headless_service(dep: LLMDeployment) -> dict[str, Any]:
-    """One DNS record / EndpointSlice entry per ready replica: the gateway routes per replica."""
+def headless_service(dep: LLMDeployment, role: Role | None = None) -> dict[str, Any]:
+    """One DNS record / EndpointSlice entry per ready replica: the gateway routes per replica
+    (`role` prefill: the prefill pool's Service)."""
     port = engine_adapter(dep.spec.engine.kind).port
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
+        "metadata": _meta(dep, pool_name(dep, role), {LABEL_COMPONENT: pool_component(role)}),
         "spec": {
             "clusterIP": "None",
-            "selector": selector_labels(dep),
+            "selector": pool_selector(dep, role),
             "publishNotReadyAddresses": False,
             "ports": [
                 {
@@ -324,6 +313,13 @@ def gateway_config(dep: LLMDeployment, adapters: Sequence[LLMAdapter] = ()) -> d
                 namespace=dep.namespace, name=engine_name(dep), port_name=ENGINE_PORT_NAME
             )
         },
+        prefill_services={
+            dep.name: ServiceRef(
+                namespace=dep.namespace,
+                name=prefill_object_name(dep.name),
+                port_name=ENGINE_PORT_NAME,
+            )
+        },
         engine_keys={dep.name: engine_key_ref(dep)},
         adapters=adapters,
     )
@@ -377,6 +373,11 @@ def children(
         pod_disruption_budget(dep),
         engine_network_policy(dep, settings),
     ]
+    if dep.spec.disaggregation is not None:
+        objects[3:3] = [
+            headless_service(dep, "prefill"),
+            engine_deployment(dep, settings, "prefill"),
+        ]
     if with_service_monitor:
         objects.append(service_monitor(dep))
     return objects

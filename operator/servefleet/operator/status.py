@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from servefleet.api.deployment_status import PoolStatus
 from servefleet.api.llmdeployment import Condition, LLMDeployment, LLMDeploymentStatus
 from servefleet.operator.model_loading import model_loading
 from servefleet.operator.render import selector_string
@@ -35,6 +36,8 @@ class Observed:
     # Engine pods and their fetch logs, for ModelLoading; None: not read (keep the last).
     pods: list[dict[str, Any]] | None = None
     fetch_logs: dict[str, str] = field(default_factory=dict)
+    # The prefill pool's Deployment (disaggregated, or while a removed one still exists).
+    prefill_deployment: dict[str, Any] | None = None
 
 
 def _int(status: dict[str, Any], key: str) -> int:
@@ -187,6 +190,7 @@ def compute_status(
         pod_deletion_costs=dep.status.pod_deletion_costs,
         endpoint=endpoint,
         selector=selector_string(dep),
+        prefill=_prefill(dep, observed),
         conditions=[
             _ready(r),
             _progressing(r, observed),
@@ -194,6 +198,21 @@ def compute_status(
             _scaling_limited(r, dep),
             *_model_loading(r, dep, observed),
         ],
+    )
+
+
+def _prefill(dep: LLMDeployment, observed: Observed) -> PoolStatus | None:
+    """The prefill pool's counts: while the spec declares it, or its Deployment still runs."""
+    block, deployment = dep.spec.disaggregation, observed.prefill_deployment
+    if block is None and deployment is None:
+        return None
+    status = (deployment or {}).get("status") or {}
+    spec = (deployment or {}).get("spec") or {}
+    desired = block.prefill.desired_replicas() if block is not None else 0
+    return PoolStatus(
+        replicas=_int(status, "replicas"),
+        desired_replicas=desired if block is not None else _int(spec, "replicas"),
+        ready_replicas=_int(status, "readyReplicas"),
     )
 
 
