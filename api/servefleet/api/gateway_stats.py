@@ -73,6 +73,26 @@ class DeploymentStats(_StatsModel):
         description="LoRA adapters whose last load was refused, and the engine's reason",
     )
     replicas: list[GatewayReplicaStats] = Field(default_factory=list)
+    prefill_prompt_tokens_queued: int | None = Field(
+        default=None,
+        ge=0,
+        description="Disaggregated: uncached prompt tokens waiting for a prefill replica; "
+        "None: colocated, or a gateway that does not report it (unknown, never zero)",
+    )
+    prefill_prompt_tokens_running: int | None = Field(
+        default=None, ge=0, description="Disaggregated: prompt tokens being prefilled now"
+    )
+    prefill: list[GatewayReplicaStats] = Field(
+        default_factory=list, description="Disaggregated: the prefill pool's replicas"
+    )
+
+    @property
+    def prefill_prompt_tokens(self) -> int | None:
+        """Queued plus running prompt tokens of the prefill pool: its autoscaling signal."""
+        queued, running = self.prefill_prompt_tokens_queued, self.prefill_prompt_tokens_running
+        if queued is None and running is None:
+            return None
+        return (queued or 0) + (running or 0)
 
 
 _DEPLOYMENT_LIST = TypeAdapter(list[DeploymentStats])

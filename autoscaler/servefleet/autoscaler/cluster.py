@@ -32,6 +32,7 @@ from .actuate import KubernetesActuator
 from .adapter_status import adapter_status_patch, forget_loaded_patch, is_accepted, now_rfc3339
 from .controller import DeploymentAutoscaler
 from .observe import GatewaySource, ReplicaTarget, observe_deployment
+from .prefill import PrefillScaler
 from .signals import Observation, ReplicaState
 from .spec import targets_from_spec
 from .telemetry import AutoscalerMetrics
@@ -104,6 +105,7 @@ class ClusterAutoscaler:
         self._http = http
         self._actuators: dict[str, KubernetesActuator] = {}
         self._scalers: dict[tuple[str, str], DeploymentAutoscaler] = {}
+        self._prefill: dict[tuple[str, str], PrefillScaler] = {}
 
     async def _list_deployments(self) -> list[dict[str, Any]]:
         if not self._namespaces:
@@ -140,12 +142,31 @@ class ClusterAutoscaler:
             seen.add((dep.namespace, dep.name))
             scaler = self._scaler(dep, stats)
             await scaler.tick(time.monotonic())
+            await self._scale_prefill(dep, stats)
             if stats is not None:
                 await self._report_queue_depth(dep, stats.get(gateway_name(dep)))
         for gone in set(self._scalers) - seen:
             del self._scalers[gone]
+        for gone in set(self._prefill) - seen:
+            del self._prefill[gone]
         if stats is not None:  # unknown without the gateways: nothing is written
             await self._report_adapters(deployments, stats)
+
+    async def _scale_prefill(
+        self, dep: LLMDeployment, stats: dict[str, DeploymentStats] | None
+    ) -> None:
+        """A disaggregated deployment's prefill pool, from its prompt-token signal (`prefill`)."""
+        key = (dep.namespace, dep.name)
+        if dep.spec.disaggregation is None:
+            self._prefill.pop(key, None)
+            return
+        dep_stats = stats.get(gateway_name(dep)) if stats is not None else None
+        tokens = dep_stats.prefill_prompt_tokens if dep_stats is not None else None
+        scaler = self._prefill.setdefault(key, PrefillScaler(self._kube))
+        try:
+            await scaler.tick(dep, tokens, time.monotonic())
+        except KubeError as exc:
+            log.warning("%s: cannot scale the prefill pool: %s", dep.name, exc)
 
     async def _report_adapters(
         self, deployments: list[LLMDeployment], stats: dict[str, DeploymentStats]

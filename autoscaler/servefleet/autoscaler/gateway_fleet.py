@@ -49,6 +49,12 @@ def _sum_replicas(views: list[DeploymentStats]) -> list[GatewayReplicaStats]:
     return list(merged.values())
 
 
+def _sum_known(values: Iterable[int | None]) -> int | None:
+    """A sum only when every gateway reported it: a partial sum would read as less demand."""
+    known = list(values)
+    return None if any(v is None for v in known) else sum(v or 0 for v in known)
+
+
 def _sum_deployment(views: list[DeploymentStats]) -> DeploymentStats:
     """Counts add up. Latencies are p90s, which do not add: the largest is kept, an upper
     bound of the p90 over all gateways' requests together (what a scaler should act on)."""
@@ -71,6 +77,12 @@ def _sum_deployment(views: list[DeploymentStats]) -> DeploymentStats:
             "ttft_p90_seconds": _max(v.ttft_p90_seconds for v in views),
             "ready_replicas": max(v.ready_replicas for v in views),
             "replicas": _sum_replicas(views),
+            "prefill_prompt_tokens_queued": _sum_known(
+                v.prefill_prompt_tokens_queued for v in views
+            ),
+            "prefill_prompt_tokens_running": _sum_known(
+                v.prefill_prompt_tokens_running for v in views
+            ),
             "adapter_load_errors": {
                 name: why for v in views for name, why in v.adapter_load_errors.items()
             },

@@ -98,6 +98,11 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 - apiGroups: [servefleet.io]
   resources: [llmdeployments]
   verbs: [list]
+# A disaggregated deployment's prefill pool has no scale subresource of its own: its
+# spec.disaggregation.prefill.replicas is written by a merge patch of that one field.
+- apiGroups: [servefleet.io]
+  resources: [llmdeployments]
+  verbs: [patch]
 # Decisions go through the scale subresource, like an HPA's.
 - apiGroups: [servefleet.io]
   resources: [llmdeployments/scale]
