@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from servefleet.api.disaggregation import Role
 from servefleet.api.engines import EngineListen, engine_adapter
 from servefleet.api.llmdeployment import LLMDeploymentSpec
 from servefleet.api.local_volumes import local_pvc_folder
@@ -60,9 +61,10 @@ def engine_command(
     port: int,
     *,
     volumes: Mapping[str, str] | None = None,
+    role: Role | None = None,
 ) -> list[str]:
     """The adapter's command and arguments (as a pod gets them), listening on `host:port`;
-    `volumes` maps pvc claims to folders of this machine."""
+    `volumes` maps pvc claims to folders of this machine; `role`: a disaggregated pool's."""
     if spec.engine.kind != "servefleet":
         raise LocalModeError(
             f"engine.kind {spec.engine.kind} runs only on Kubernetes; local mode runs servefleet"
@@ -70,5 +72,6 @@ def engine_command(
     adapter = engine_adapter(spec.engine.kind)
     # The pod's command names the `servefleet` script; here it is this installation's.
     subcommand = list(adapter.command[1:])
-    args = adapter.args(spec, model_argument(spec, volumes), EngineListen(host=host, port=port))
+    listen = EngineListen(host=host, port=port)
+    args = adapter.args(spec, model_argument(spec, volumes), listen, role=role)
     return [*servefleet_executable(), *subcommand, *args]

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from servefleet.api.disaggregation import Role
 from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_render import ResolvedSecretKeys, render_gateway_config
@@ -39,6 +40,7 @@ from servefleet.gateway.app import Gateway
 from .actuator import LocalActuator
 from .capacity import LocalCapacity
 from .engine_command import ENGINE_HOST, engine_command
+from .prefill_pool import prefill_endpoints, prefill_pool_name, reserve_prefill_ports
 from .supervisor import DeploymentSupervisor
 from .tenants import LocalTenants
 
@@ -77,11 +79,14 @@ class LocalOptions:
     # models and adapters are read there (`servefleet.api.local_volumes`).
     volumes: dict[str, str] = field(default_factory=dict)
 
-    def engine_argv(self, spec: LLMDeploymentSpec, port: int) -> list[str]:
-        """One replica's command line, listening on loopback at `port`."""
+    def engine_argv(
+        self, spec: LLMDeploymentSpec, port: int, role: Role | None = None
+    ) -> list[str]:
+        """One replica's command line, listening on loopback at `port` (`role`: that of a
+        disaggregated pool; a test's fake command runs the same for both pools)."""
         if self.engine_command is not None:
             return self.engine_command(spec, ENGINE_HOST, port)
-        return engine_command(spec, ENGINE_HOST, port, volumes=self.volumes)
+        return engine_command(spec, ENGINE_HOST, port, volumes=self.volumes, role=role)
 
 
 @dataclass
@@ -94,6 +99,9 @@ class LocalControlPlane:
     metrics: AutoscalerMetrics = field(default_factory=AutoscalerMetrics)
     capacity: LocalCapacity = field(default_factory=LocalCapacity)
     supervisors: dict[str, DeploymentSupervisor] = field(default_factory=dict)
+    prefill_supervisors: dict[str, DeploymentSupervisor] = field(default_factory=dict)
+    """Disaggregated deployments' prefill pools, by deployment name."""
+    prefill_ports: dict[str, list[int]] = field(default_factory=dict)
     autoscalers: dict[str, DeploymentAutoscaler] = field(default_factory=dict)
     gateway: Gateway | None = None
     _server: uvicorn.Server | None = None
@@ -123,6 +131,7 @@ class LocalControlPlane:
             allowed_replica_networks=LOOPBACK_NETWORKS,
             adapters=self.adapters,
             local_volumes=opts.volumes,
+            prefill_endpoints=prefill_endpoints(self.prefill_ports),
         )
 
     def engine_env(self, spec: LLMDeploymentSpec) -> dict[str, str]:
@@ -133,6 +142,7 @@ class LocalControlPlane:
 
     async def start(self) -> None:
         opts = self.options
+        self.prefill_ports = reserve_prefill_ports(self.deployments)
         gateway = Gateway(self.gateway_config())
         self.gateway = gateway
         self._server = _QuietServer(
@@ -161,9 +171,12 @@ class LocalControlPlane:
         self, dep: LLMDeployment, gateway: Gateway, source: InProcessGatewaySource
     ) -> None:
         opts, spec, name = self.options, dep.spec, dep.name
+        role: Role | None = "decode" if spec.disaggregation is not None else None
+        if spec.disaggregation is not None:
+            self._start_prefill_pool(dep)
         supervisor = DeploymentSupervisor(
             name,
-            lambda port: opts.engine_argv(spec, port),
+            lambda port: opts.engine_argv(spec, port, role),
             host=ENGINE_HOST,  # whatever address the gateway listens on
             log_dir=opts.log_dir,
             on_change=lambda endpoints, ready: gateway.set_replicas(name, endpoints, ready),
@@ -202,6 +215,38 @@ class LocalControlPlane:
             )
         )
 
+    def _start_prefill_pool(self, dep: LLMDeployment) -> None:
+        """The prefill processes, on the ports the gateway's config names (`prefill_pool`)."""
+        opts, spec, block = self.options, dep.spec, dep.spec.disaggregation
+        assert block is not None
+        supervisor = DeploymentSupervisor(
+            prefill_pool_name(dep.name),
+            lambda port: opts.engine_argv(spec, port, "prefill"),
+            host=ENGINE_HOST,
+            log_dir=opts.log_dir,
+            env=self.engine_env(spec),
+            ready_timeout_s=spec.engine.startup_timeout_seconds,
+            stop_timeout_s=opts.stop_timeout_s,
+            ports=self.prefill_ports[dep.name],
+        )
+        supervisor.scale(block.prefill.desired_replicas())
+        self.prefill_supervisors[dep.name] = supervisor
+        self.capacity.add(prefill_pool_name(dep.name), spec, supervisor)
+        task = asyncio.create_task(supervisor.run(), name=f"supervise-{supervisor.name}")
+        self._tasks.append(task)
+
+    def _warm_counts(self) -> list[tuple[int, int]]:
+        """(ready, wanted) of every pool: each deployment's, and its prefill pool's."""
+        counts = []
+        for dep in self.deployments:
+            pools = [(self.supervisors[dep.name], dep.spec.desired_replicas())]
+            block = dep.spec.disaggregation
+            if block is not None:
+                pools.append((self.prefill_supervisors[dep.name], block.prefill.desired_replicas()))
+            for sup, wanted in pools:
+                counts.append((sum(1 for r in sup.live() if r.ready_at is not None), wanted))
+        return counts
+
     @staticmethod
     async def _autoscale(autoscaler: DeploymentAutoscaler, interval: float) -> None:
         while True:
@@ -209,16 +254,10 @@ class LocalControlPlane:
             await asyncio.sleep(interval)
 
     async def wait_warm(self, timeout_s: float | None = None) -> None:
-        """Until every deployment has its warm minimum ready."""
+        """Until every deployment has its warm minimum ready (and its prefill pool)."""
 
         async def warm() -> None:
-            while True:
-                if all(
-                    sum(1 for r in s.live() if r.ready_at is not None)
-                    >= dep.spec.desired_replicas()
-                    for dep, s in ((d, self.supervisors[d.name]) for d in self.deployments)
-                ):
-                    return
+            while not all(ready >= wanted for ready, wanted in self._warm_counts()):
                 await asyncio.sleep(0.2)
 
         await asyncio.wait_for(warm(), timeout_s)
@@ -230,7 +269,8 @@ class LocalControlPlane:
         for task in self._tasks[1:]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await asyncio.gather(*(s.stop() for s in self.supervisors.values()))
+        pools = [*self.supervisors.values(), *self.prefill_supervisors.values()]
+        await asyncio.gather(*(s.stop() for s in pools))
         if self._server is not None:
             self._server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError, Exception):

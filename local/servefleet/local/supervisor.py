@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -89,8 +89,12 @@ class DeploymentSupervisor:
         poll_interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         backoff: CrashBackoff | None = None,
+        ports: Sequence[int] = (),
     ) -> None:
+        """`ports`: fixed ports, for a pool whose addresses the gateway's config names (a
+        prefill pool): each replica takes one no live process holds; empty: a free port each."""
         self.name = name
+        self._ports = tuple(ports)
         self._command_for = command_for
         self._host = host
         self._log_dir = log_dir
@@ -175,8 +179,10 @@ class DeploymentSupervisor:
 
     # -- internals -------------------------------------------------------------------------
     async def _start(self) -> None:
+        port = self._next_port()
+        if port is None:
+            return  # every fixed port is still held (a draining replica): next pass
         name = f"{self.name}-{next(self._ids)}"
-        port = free_port(self._host)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"{name}.log"
         log_file = open(log_path, "ab")  # noqa: SIM115 (lives with the process)
@@ -201,6 +207,12 @@ class DeploymentSupervisor:
         )
         self.replicas[name] = replica
         self._note(replica, f"started pid {process.pid} port {port}")
+
+    def _next_port(self) -> int | None:
+        if not self._ports:
+            return free_port(self._host)
+        held = {r.port for r in self.replicas.values() if not r.exited}
+        return next((p for p in self._ports if p not in held), None)
 
     async def _probe(self, replica: ReplicaProcess, now: float) -> None:
         try:
