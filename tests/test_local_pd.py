@@ -16,7 +16,7 @@ from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.api.manifests import load_llmdeployments
 from servefleet.autoscaler.signals import ReplicaState
 from servefleet.local.engine_command import engine_command
-from servefleet.local.plane import LocalControlPlane, LocalOptions
+from servefleet.local.plane import LocalControlPlane, LocalOptions, banner
 from servefleet.local.ports import free_port
 from servefleet.local.tenants import resolve_local_tenants
 from tests.support.local_fakes import FAKE_ENGINE, MANIFEST
@@ -83,6 +83,7 @@ async def test_up_runs_the_prefill_pool_on_the_ports_its_route_names(
         assert routed.prefill is not None
         assert routed.prefill.endpoints == [f"http://127.0.0.1:{p}" for p in ports]
         assert (routed.prefill.threshold, routed.prefill.protocol) == (64, "servefleet")
+        assert "prefill pool: 2 replicas (prompts of 64+ uncached tokens" in banner(plane)
         # The decode pool is the deployment's own, on other ports.
         decode_ports = {r.port for r in plane.supervisors["tiny"].live()}
         assert decode_ports and not decode_ports & set(ports)

@@ -290,6 +290,12 @@ def banner(plane: LocalControlPlane) -> str:
             f"  {dep.name}: model {dep.spec.model.name}, replicas "
             f"{pool.min_replicas}..{pool.max_replicas} (warm {dep.spec.desired_replicas()})"
         )
+        block = dep.spec.disaggregation
+        if block is not None:
+            lines.append(
+                f"    prefill pool: {block.prefill.desired_replicas()} replicas "
+                f"(prompts of {block.threshold}+ uncached tokens; this pool decodes)"
+            )
         served = [
             a.served_name
             for a in plane.adapters
