@@ -13,6 +13,7 @@ import yaml
 from servefleet.api.manifests import load_llmdeployments
 from servefleet.operator import render
 from servefleet.operator.policy import refusal
+from servefleet.operator.pool_cleanup import PREFILL_POOL_KINDS
 from tests.test_chart_static import CHART, component_rules, verbs_on
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,12 @@ def test_the_charts_operator_renders_and_may_apply_a_pd_deployment(example: str)
     for child in children:
         assert {"create", "patch"} <= verbs_on(operator, PLURALS[child["kind"]]), child["kind"]
     # the prefill pool is read, then deleted when its block is removed
-    assert {"get", "delete"} <= verbs_on(operator, "deployments")
-    assert {"get", "delete"} <= verbs_on(operator, "services")
+    for kind in PREFILL_POOL_KINDS:
+        assert {"get", "delete"} <= verbs_on(operator, kind.plural), kind.plural
+    pool = {
+        (c["kind"], c["metadata"]["name"])
+        for c in children
+        if c["metadata"]["name"].endswith("-prefill")
+    }
+    assert {kind for kind, _ in pool} == {k.kind for k in PREFILL_POOL_KINDS}
     assert "patch" in verbs_on(component_rules("autoscaler"), "llmdeployments")

@@ -12,6 +12,7 @@ import yaml
 
 from servefleet.api.engines import ENGINE_ADAPTERS
 from servefleet.operator.policy import default_allowed_images, image_allowed
+from servefleet.operator.pool_cleanup import PREFILL_POOL_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "servefleet"
@@ -82,9 +83,9 @@ def test_operator_rbac_deletes_only_a_prefill_pool_and_never_reads_secrets() -> 
     rules = component_rules("operator")
     assert rules
     # The garbage collector removes children; the operator deletes by hand only a removed
-    # prefill pool (spec.disaggregation): its Deployment and Service, one by one.
+    # prefill pool (spec.disaggregation): its objects, one by one (`pool_cleanup`).
     deleting = {res for r in rules if "delete" in r["verbs"] for res in r["resources"]}
-    assert deleting == {"deployments", "services"}
+    assert deleting == {p.plural for p in PREFILL_POOL_KINDS}
     assert not any("deletecollection" in r["verbs"] for r in rules)
     # Secrets: only `create` (the engine key, written once); never get/list/watch/patch.
     assert verbs_on(rules, "secrets") == {"create"}

@@ -92,6 +92,15 @@ def test_a_disaggregated_deployment_renders_a_prefill_pool_beside_the_decode_poo
     assert "4096" not in container(decode)["args"]
     for obj in (prefill, objs["Service", "m-prefill"]):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    # Node drains keep the prefill pool's warm minimum too.
+    budget = objs["PodDisruptionBudget", "m-prefill"]["spec"]
+    assert budget == {"selector": {"matchLabels": prefill_selector("m")}, "minAvailable": 1}
+    monitors = {
+        o["metadata"]["name"]: o["spec"]["selector"]["matchLabels"]
+        for o in render.children(make(pd=PD), SETTINGS, True)
+        if o["kind"] == "ServiceMonitor"
+    }
+    assert monitors == {"m-engine": engine_selector("m"), "m-prefill": prefill_selector("m")}
 
 
 def test_the_engine_network_policy_fences_both_pools_and_lets_engines_reach_each_other() -> None:
@@ -192,7 +201,11 @@ async def test_reconcile_applies_the_pool_reports_it_and_removes_it_with_the_blo
 
     # The block is deleted: the pool this deployment owns goes, and status forgets it.
     await r.reconcile(make(**status))
-    assert sorted(client.deleted) == [("Deployment", "m-prefill"), ("Service", "m-prefill")]
+    assert sorted(client.deleted) == [
+        ("Deployment", "m-prefill"),
+        ("PodDisruptionBudget", "m-prefill"),
+        ("Service", "m-prefill"),
+    ]
     assert client.status_patches[-1]["status"].get("prefill") is None
 
 

@@ -30,8 +30,8 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
   verbs: [update]
 # Children, written by server-side apply (create + patch); the garbage collector removes
 # them through their owner references when the LLMDeployment goes. Deleted by hand only:
-# the prefill pool's Deployment and Service when spec.disaggregation is removed (read
-# first, and deleted only when this LLMDeployment owns them).
+# the prefill pool's Deployment, Service, PodDisruptionBudget and ServiceMonitor when
+# spec.disaggregation is removed (read first, deleted only when this LLMDeployment owns them).
 - apiGroups: [""]
   resources: [configmaps, services]
   verbs: [create, patch]
@@ -50,6 +50,12 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [get, delete]
 # The engine key Secret: created once when absent, never read (no get) nor rewritten.
 - apiGroups: [""]
   resources: [secrets]

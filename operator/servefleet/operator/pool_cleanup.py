@@ -1,4 +1,5 @@
-"""Removing the prefill pool when `spec.disaggregation` is deleted.
+"""Removing the prefill pool (Deployment, Service, PodDisruptionBudget, ServiceMonitor) when
+`spec.disaggregation` is deleted.
 
 Server-side apply only adds and updates, and garbage collection only runs when the
 LLMDeployment itself goes, so a pool the spec no longer declares is deleted here. Only
@@ -12,8 +13,16 @@ from typing import Any
 
 from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.kube import KubeClient
-from servefleet.kube.resources import DEPLOYMENTS, SERVICES
+from servefleet.kube.resources import (
+    DEPLOYMENTS,
+    POD_DISRUPTION_BUDGETS,
+    SERVICE_MONITORS,
+    SERVICES,
+)
 from servefleet.operator.pools import prefill_object_name
+
+PREFILL_POOL_KINDS = (DEPLOYMENTS, SERVICES, POD_DISRUPTION_BUDGETS, SERVICE_MONITORS)
+"""What the operator renders for a prefill pool (`render.children`), deleted with its block."""
 
 
 def owned_by(obj: dict[str, Any] | None, dep: LLMDeployment) -> bool:
@@ -22,10 +31,11 @@ def owned_by(obj: dict[str, Any] | None, dep: LLMDeployment) -> bool:
 
 
 async def remove_prefill_pool(client: KubeClient, dep: LLMDeployment) -> list[str]:
-    """Delete the prefill Deployment and Service this deployment owns; what was deleted."""
+    """Delete the prefill pool's objects this deployment owns; what was deleted. (Without
+    the ServiceMonitor API its read is a 404, i.e. nothing to delete.)"""
     name = prefill_object_name(dep.name)
     removed = []
-    for resource in (DEPLOYMENTS, SERVICES):
+    for resource in PREFILL_POOL_KINDS:
         if owned_by(await client.get(resource, dep.namespace, name), dep):
             await client.delete(resource, dep.namespace, name)
             removed.append(f"{resource.kind} {name}")

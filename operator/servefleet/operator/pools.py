@@ -55,6 +55,13 @@ def pool_replicas(dep: LLMDeployment, role: Role | None) -> int:
     return dep.spec.desired_replicas()
 
 
+def pool_min_replicas(dep: LLMDeployment, role: Role | None) -> int:
+    block = dep.spec.disaggregation
+    if role == "prefill" and block is not None:
+        return block.prefill.min_replicas
+    return dep.spec.pool.min_replicas
+
+
 def role_labels(role: Role | None) -> dict[str, str]:
     return {} if role is None else {ROLE_LABEL: role, LLMD_ROLE_LABEL: role}
 

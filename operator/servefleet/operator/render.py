@@ -74,6 +74,7 @@ from servefleet.operator.policy import refusal as policy_refusal
 from servefleet.operator.pools import (
     decode_role,
     pool_component,
+    pool_min_replicas,
     pool_name,
     pool_replicas,
     pool_selector,
@@ -257,17 +258,18 @@ def headless_service(dep: LLMDeployment, role: Role | None = None) -> dict[str, 
     }
 
 
-def pod_disruption_budget(dep: LLMDeployment) -> dict[str, Any]:
-    """Voluntary evictions (node drains) may not take the pool below its warm minimum."""
-    min_replicas = dep.spec.pool.min_replicas
+def pod_disruption_budget(dep: LLMDeployment, role: Role | None = None) -> dict[str, Any]:
+    """Voluntary evictions (node drains) may not take the pool below its warm minimum
+    (`role` prefill: the prefill pool's)."""
+    min_replicas = pool_min_replicas(dep, role)
     budget: dict[str, Any] = (
         {"minAvailable": min_replicas} if min_replicas > 0 else {"maxUnavailable": 1}
     )
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
-        "spec": {"selector": {"matchLabels": selector_labels(dep)}, **budget},
+        "metadata": _meta(dep, pool_name(dep, role), {LABEL_COMPONENT: pool_component(role)}),
+        "spec": {"selector": {"matchLabels": pool_selector(dep, role)}, **budget},
     }
 
 
@@ -282,15 +284,16 @@ def engine_key_secret_for(dep: LLMDeployment) -> dict[str, Any] | None:
     return engine_key_secret(dep, meta)
 
 
-def service_monitor(dep: LLMDeployment) -> dict[str, Any]:
-    """Prometheus Operator scrape config for the engine replicas (only when that CRD exists)."""
+def service_monitor(dep: LLMDeployment, role: Role | None = None) -> dict[str, Any]:
+    """Prometheus Operator scrape config for the engine replicas (only when that CRD exists;
+    `role` prefill: the prefill pool's, selecting its Service)."""
     adapter = engine_adapter(dep.spec.engine.kind)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _meta(dep, engine_name(dep), {LABEL_COMPONENT: COMPONENT_ENGINE}),
+        "metadata": _meta(dep, pool_name(dep, role), {LABEL_COMPONENT: pool_component(role)}),
         "spec": {
-            "selector": {"matchLabels": {**selector_labels(dep)}},
+            "selector": {"matchLabels": {**pool_selector(dep, role)}},
             "endpoints": [
                 {"port": ENGINE_PORT_NAME, "path": adapter.metrics_path, "interval": "15s"}
             ],
@@ -373,11 +376,15 @@ def children(
         pod_disruption_budget(dep),
         engine_network_policy(dep, settings),
     ]
-    if dep.spec.disaggregation is not None:
+    prefill = dep.spec.disaggregation is not None
+    if prefill:
         objects[3:3] = [
             headless_service(dep, "prefill"),
             engine_deployment(dep, settings, "prefill"),
+            pod_disruption_budget(dep, "prefill"),
         ]
     if with_service_monitor:
         objects.append(service_monitor(dep))
+        if prefill:
+            objects.append(service_monitor(dep, "prefill"))
     return objects
