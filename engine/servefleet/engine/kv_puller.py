@@ -66,9 +66,9 @@ def check_kv_transfer(state: ServingState, params: KVTransferParams | None) -> N
     for source in params.kv_sources:
         if (problem := peers.problem(source)) is not None:
             raise OpenAIError(status=400, message=f"{_PARAM}: {source!r} {problem}", param=_PARAM)
-    source = params.remote_prefill
-    if source is not None and (problem := peers.problem(source)) is not None:
-        raise OpenAIError(status=400, message=f"{_REMOTE}: {source!r} {problem}", param=_REMOTE)
+    remote = params.remote_prefill
+    if remote is not None and (problem := peers.problem(remote)) is not None:
+        raise OpenAIError(status=400, message=f"{_REMOTE}: {remote!r} {problem}", param=_REMOTE)
 
 
 async def pull_prefix(
