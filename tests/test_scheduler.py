@@ -249,3 +249,19 @@ def test_aborted_during_step_is_not_updated() -> None:
     assert fake_step(s, out) == []
     assert a.output_token_ids == []
     s.kv_cache.check_all_free()
+
+
+def test_a_prefill_only_sequence_never_samples_and_finishes_when_computed() -> None:
+    s = make(budget=8)
+    p = seq(list(range(10, 27)))  # 17 tokens: chunks of 8, 8, then 1 (still a prefill)
+    p.prefill_only = True
+    s.add(p)
+    steps = run_to_end(s)
+    assert [c.num_new_tokens for out in steps for c in out.prefills] == [8, 8, 1]
+    assert all(not out.decodes for out in steps)
+    assert p.output_token_ids == [] and p.num_computed_tokens == 17
+    assert p.finish_reason is FinishReason.LENGTH
+    # its full blocks stay cached: a later sequence with the same prompt hits them
+    again = seq(list(range(10, 27)))
+    assert len(s.kv_cache.find_cached_prefix(again)) == 4
+    s.kv_cache.check_all_free()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from servefleet.api.disaggregation import DEFAULT_THRESHOLD_TOKENS
 
 MEDIA_TYPE = "application/x-servefleet-kv; v=1"
 MAGIC = b"SFKV"
@@ -40,6 +42,11 @@ POOL_SHARE = 0.10
 transfers can never take the blocks running sequences need."""
 WINDOW_BLOCKS = 32
 """Blocks pinned or staged per engine-thread call: one copy of ~24 MB in float32 (SmolLM2)."""
+MAX_PREFILL_EXPORTS = 4
+"""Prefill-and-export streams (P/D) one engine runs at once; more get a 429 `prefill_busy`."""
+MAX_PREFILL_BODY_BYTES = 64 + MAX_TRANSFER_BLOCKS * 16 * 8
+"""A prefill-and-export body: up to MAX_TRANSFER_BLOCKS blocks of token ids."""
+PREFILL_BUSY = "prefill_busy"
 
 # ---- metrics
 BLOCKS_METRIC = "servefleet_engine_kv_transfer_blocks_total"
@@ -49,6 +56,8 @@ FALLBACKS_METRIC = "servefleet_engine_kv_import_fallbacks_total"
 DIRECTION_LABEL = "direction"  # export | import
 OUTCOME_LABEL = "outcome"  # ok | partial | refused | failed
 REASON_LABEL = "reason"  # why a pull fell back to recompute
+ROUTE_DECISIONS_METRIC = "servefleet_gateway_kv_route_decisions_total"
+DECISION_LABEL = "decision"  # pd: a prefill replica computes the prompt for the decode one
 
 Direction = Literal["export", "import"]
 Outcome = Literal["ok", "partial", "refused", "failed"]
@@ -71,8 +80,30 @@ class KVHashesRequest(_Strict):
     adapter_identity: int | None = None  # the chain's adapter (`LoraAdapter.identity`)
 
 
-class KVTransferParams(_Strict):
-    """Where a request's leading KV blocks may be pulled from before it is computed."""
+class KVPrefillRequest(_Strict):
+    """`export` with `compute: true` (disaggregated P/D): run these tokens as a prefill-only
+    sequence and stream each full block once the step that wrote it is done (blocks already
+    cached at once). A trailing partial block is neither computed for export nor sent."""
 
-    kv_sources: list[str] = Field(min_length=1, max_length=MAX_SOURCES)
+    prompt_token_ids: list[int] = Field(min_length=1, max_length=MAX_TRANSFER_BLOCKS * 16)
+    adapter: str | None = None  # the LoRA adapter's served name; None: the base model
+    compute: Literal[True]
+    start_block: int = Field(default=0, ge=0)  # blocks before it are held by the caller
+
+
+class KVTransferParams(_Strict):
+    """Where a request's leading KV blocks come from before it is computed: pulled from
+    engines that hold them (`kv_sources`), or computed for it by a prefill engine
+    (`remote_prefill`, disaggregated P/D; vLLM spells it do_remote_prefill/remote_host)."""
+
+    kv_sources: list[str] = Field(default_factory=list, max_length=MAX_SOURCES)
+    remote_prefill: str | None = None  # a prefill engine's base URL
+    prefill_threshold: int = Field(default=DEFAULT_THRESHOLD_TOKENS, ge=0)
+    """Uncached prompt tokens below which the decode engine prefills itself."""
     deadline_s: float = Field(default=5.0, gt=0.0, le=MAX_DEADLINE_S)
+
+    @model_validator(mode="after")
+    def _some_source(self) -> KVTransferParams:
+        if not self.kv_sources and self.remote_prefill is None:
+            raise ValueError("name kv_sources or remote_prefill")
+        return self

@@ -36,6 +36,8 @@ class FakeBehaviour:
     prefill_s_per_token: float = 0.0
     block_chars: int = 64
     cache_blocks: int = 4096
+    # A vLLM prefill replica (P/D, NIXL): the `kv_transfer_params` its whole answers carry.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -190,7 +192,8 @@ class FakeOpenAI:
                     "model": model,
                     "choices": [choice],
                     "usage": usage,
-                },
+                }
+                | ({"kv_transfer_params": b.kv_transfer_params} if b.kv_transfer_params else {}),
             )
             return
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

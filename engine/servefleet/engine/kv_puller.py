@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("servefleet.engine.kv")
 _PARAM = KV_TRANSFER_PARAMS + ".kv_sources"
+_REMOTE = KV_TRANSFER_PARAMS + ".remote_prefill"
 
 
 def check_kv_transfer(state: ServingState, params: KVTransferParams | None) -> None:
@@ -65,6 +66,9 @@ def check_kv_transfer(state: ServingState, params: KVTransferParams | None) -> N
     for source in params.kv_sources:
         if (problem := peers.problem(source)) is not None:
             raise OpenAIError(status=400, message=f"{_PARAM}: {source!r} {problem}", param=_PARAM)
+    remote = params.remote_prefill
+    if remote is not None and (problem := peers.problem(remote)) is not None:
+        raise OpenAIError(status=400, message=f"{_REMOTE}: {remote!r} {problem}", param=_REMOTE)
 
 
 async def pull_prefix(
@@ -81,6 +85,8 @@ async def pull_prefix(
     hashes = hashes[:MAX_TRANSFER_BLOCKS]
     held = await state.engine.call(partial(store.held_run, hashes))
     missing = hashes[held:]
+    if params.remote_prefill is not None:
+        return await remote_prefill(state, params, request, tokens, held, len(hashes))
     if missing and not worth_pulling(state.engine.prompt_rate, store, len(missing)):
         state.engine.metrics.kv_transfer.fallback("recompute_cheaper")
         return 0
@@ -110,6 +116,40 @@ def worth_pulling(prompt_rate: Ewma, store: KVStore, blocks: int) -> bool:
     return pull_s < blocks * store.block_size / prompt_rate.value
 
 
+async def remote_prefill(
+    state: ServingState,
+    params: KVTransferParams,
+    request: EngineRequest,
+    tokens: list[int],
+    held: int,
+    usable: int,
+) -> int:
+    """Disaggregated P/D, the decode side: have `params.remote_prefill` compute the prompt's
+    blocks this cache lacks and stream them here as each is written (`kv_prefill`). Below
+    the threshold of uncached tokens, or on any failure or past the deadline, the rest is
+    recomputed here: the output is the same, only slower."""
+    store = state.kv_store
+    assert store is not None and params.remote_prefill is not None
+    bs = store.block_size
+    if len(tokens) - held * bs < params.prefill_threshold or held >= usable:
+        state.engine.metrics.kv_transfer.fallback("below_threshold")
+        return 0
+    adapter = request.lora.identity if request.lora is not None else None
+    hashes = chain(root_hash(adapter), tokens[: usable * bs], bs)
+    body = {
+        "prompt_token_ids": tokens[: usable * bs],
+        "adapter": request.lora.name if request.lora is not None else None,
+        "compute": True,
+        "start_block": held,
+    }
+    deadline = time.monotonic() + params.deadline_s
+    source = params.remote_prefill.rstrip("/")
+    got = await _pull_from(state, store, source, hashes[held:], adapter, deadline, body)
+    if held + got < usable:
+        state.engine.metrics.kv_transfer.fallback("incomplete" if got else "nothing_pulled")
+    return got
+
+
 async def _pull_from(
     state: ServingState,
     store: KVStore,
@@ -117,13 +157,17 @@ async def _pull_from(
     hashes: list[int],
     adapter: int | None,
     deadline: float,
+    body: dict[str, Any] | None = None,
 ) -> int:
-    """Blocks of `hashes` (from the first) pulled from one source and published here."""
+    """Blocks of `hashes` (from the first) pulled from one source and published here;
+    `body` asks the source to compute them first (P/D), else they are held there."""
     started = time.monotonic()
     reader = WireReader(store.fingerprint, store.block_size, store.bytes_per_block, hashes)
     committed, reason = 0, None
+    if body is None:
+        body = {"hashes": [hash_hex(h) for h in hashes], "adapter_identity": adapter}
     try:
-        committed = await _stream_into(state, store, source, hashes, adapter, reader, deadline)
+        committed = await _stream_into(state, store, source, body, reader, deadline)
     except TimeoutError:
         reason = "deadline"
     except WireError as exc:
@@ -140,7 +184,8 @@ async def _pull_from(
         state.engine.metrics.kv_transfer.fallback(reason)
     seconds = time.monotonic() - started
     nbytes = committed * store.bytes_per_block
-    if committed >= WINDOW_BLOCKS:  # enough to measure the path, not only its round trip
+    computed = "compute" in body  # P/D: the time is mostly the source's compute, not the wire
+    if committed >= WINDOW_BLOCKS and not computed:  # enough to measure the path itself
         store.pull_rate.update(nbytes / max(seconds, 1e-6))
     state.engine.metrics.kv_transfer.transfer("import", outcome, committed, nbytes, seconds)
     log.info(
@@ -160,8 +205,7 @@ async def _stream_into(
     state: ServingState,
     store: KVStore,
     source: str,
-    hashes: list[int],
-    adapter: int | None,
+    body: dict[str, Any],
     reader: WireReader,
     deadline: float,
 ) -> int:
@@ -170,7 +214,6 @@ async def _stream_into(
     headers = {FINGERPRINT_HEADER: store.fingerprint}
     if state.api_key:
         headers["Authorization"] = f"Bearer {state.api_key}"
-    body = {"hashes": [hash_hex(h) for h in hashes], "adapter_identity": adapter}
     remaining = max(0.001, deadline - time.monotonic())
     committed = 0
     reader.leftover = []

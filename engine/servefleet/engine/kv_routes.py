@@ -28,17 +28,21 @@ from servefleet.api.kv_transfer import (
     INFO_PATH,
     LOOKUP_PATH,
     MAX_LOOKUP_BODY_BYTES,
+    MAX_PREFILL_BODY_BYTES,
     MAX_TRANSFER_BLOCKS,
     MEDIA_TYPE,
     WINDOW_BLOCKS,
     KVHashesRequest,
+    KVPrefillRequest,
     Outcome,
 )
 from servefleet.api.openai_errors import OpenAIError
+from servefleet.api.openai_wire import parse_object, validate
+from servefleet.engine.kv_prefill import check_prefill, prefill_export_stream
 from servefleet.engine.kv_store import KVStore, VerifiedBlock
 from servefleet.engine.kv_transfer import export_stream, import_blocks
 from servefleet.engine.kv_wire import WireError, WireReader
-from servefleet.engine.request_checks import parse
+from servefleet.engine.request_checks import parse, read_body
 
 if TYPE_CHECKING:
     from servefleet.engine.serving_state import ServingState
@@ -92,7 +96,17 @@ def add_kv_routes(app: FastAPI, state: ServingState) -> None:
     async def export(request: Request) -> StreamingResponse:
         store = _store(state)
         _check_fingerprint(request, store)
-        body = await parse(request, KVHashesRequest, MAX_LOOKUP_BODY_BYTES)
+        raw = await read_body(request, MAX_PREFILL_BODY_BYTES)
+        data = parse_object(raw)
+        if "compute" in data:  # prefill and export (P/D): `kv_prefill`
+            prefill = validate(KVPrefillRequest, data)
+            adapter = check_prefill(state, store, prefill)
+            asked = len(prefill.prompt_token_ids) // store.block_size - prefill.start_block
+            stream = prefill_export_stream(state.engine, store, prefill, adapter)
+            return StreamingResponse(_counted(state, stream, asked), media_type=MEDIA_TYPE)
+        if len(raw) > MAX_LOOKUP_BODY_BYTES:
+            raise OpenAIError(status=413, message="an export body names too many hashes")
+        body = validate(KVHashesRequest, data)
         hashes = [int(h, 16) for h in body.hashes]
         stream = export_stream(state.engine, store, hashes, body.adapter_identity)
         return StreamingResponse(_counted(state, stream, len(hashes)), media_type=MEDIA_TYPE)

@@ -55,6 +55,7 @@ class KVStore:
     fields: dict[str, Any]
     pinned: int = 0  # blocks exports hold now (engine thread)
     staged: int = 0  # blocks imports hold now (engine thread)
+    prefilling: int = 0  # prefill-and-export streams running now (asyncio side, `kv_prefill`)
     pull_rate: Ewma = field(default_factory=lambda: Ewma(0.0))  # bytes/s of past pulls
     cap: int = field(init=False)
 

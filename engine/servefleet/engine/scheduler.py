@@ -39,7 +39,10 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so it yields a token."""
+        """True when this chunk reaches the end of the known tokens, so it yields a token
+        (never for a prefill-only sequence)."""
+        if self.seq.prefill_only:
+            return False
         return self.num_computed_before + self.num_new_tokens == self.seq.num_tokens
 
 
@@ -174,8 +177,9 @@ class Scheduler:
             scheduled.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
 
-        for chunk in scheduled:
-            (out.decodes if chunk.num_new_tokens == 1 else out.prefills).append(chunk)
+        for chunk in scheduled:  # a prefill-only chunk is never a decode (no proposals)
+            decode = chunk.num_new_tokens == 1 and not chunk.seq.prefill_only
+            (out.decodes if decode else out.prefills).append(chunk)
         if self.speculator is not None and out.decodes:
             self.speculator.attach_drafts(out, self.kv_cache, self.config)
         return out
@@ -196,6 +200,10 @@ class Scheduler:
             tokens = sampled.get(seq.seq_id, [])
             accepted = max(len(tokens) - 1, 0)
             seq.num_computed_tokens = chunk.num_computed_before + chunk.num_new_tokens + accepted
+            if seq.prefill_only and seq.num_computed_tokens >= seq.num_tokens:
+                self.finish(seq, FinishReason.LENGTH)  # its KV is all written: nothing to sample
+                finished.append(seq)
+                continue
             if chunk.draft_token_ids and self.speculator is not None:
                 self.speculator.record(seq, len(chunk.draft_token_ids), accepted)
             for token in tokens:

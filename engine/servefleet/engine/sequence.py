@@ -61,6 +61,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     grammar: GrammarMatcher | None = None  # where a structured output stands; None: free
     lora: LoraAdapter | None = None  # the adapter it runs under; None: the base model
+    # Prefill and export (disaggregated P/D, `kv_prefill`): never samples; finished once
+    # every prompt token's KV is written, so its blocks can be handed to a decode engine.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         # A resumed request's delivered tokens (`servefleet.api.stream_resume`) are already

@@ -32,6 +32,7 @@ from servefleet.gateway.internal_api import InternalApp
 from servefleet.gateway.limits import Limiter
 from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.metrics import GatewayMetrics
+from servefleet.gateway.pd import with_prefill
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.pool_tasks import PoolTasks
 from servefleet.gateway.probes import ReplicaProber
@@ -126,7 +127,7 @@ class Gateway:
     async def start(self) -> None:
         self._prober.open()
         interval = self.config.routing.probe_interval_seconds
-        pools = lambda: self.table.pools.values()  # noqa: E731 - the table current at each round
+        pools = lambda: with_prefill(self.table.pools.values())  # noqa: E731 - the table now
         self._probe_task = asyncio.create_task(
             self._prober.run(pools, interval), name="gateway-probes"
         )
@@ -134,7 +135,7 @@ class Gateway:
             self._lease_task = asyncio.create_task(
                 self.limiter.keep_leases(), name="gateway-leases"
             )
-        for pool in self.pools.values():
+        for pool in with_prefill(self.pools.values()):
             self._pool_tasks.start(pool)
         self._ready = True
 
@@ -157,7 +158,7 @@ class Gateway:
 
     async def probe_once(self) -> None:
         """Ask every replica's /ready once (tests drive probing by hand with this)."""
-        await self._prober.probe_once(self.pools.values())
+        await self._prober.probe_once(with_prefill(self.pools.values()))
 
     def reconfigure(self, config: GatewayConfig) -> None:
         """Swap in new tenants and deployments without a restart (routes from Kubernetes).
@@ -177,12 +178,12 @@ class Gateway:
         changes.apply()
         self.table = table
         share_spill_budgets(changes.created, config, self.limiter, self.metrics, self._clock)
-        for pool in changes.gone:
+        for pool in with_prefill(changes.gone):
             self._pool_tasks.cancel(pool.name)
             if pool.name not in changes.pools:
                 self.metrics.forget_pool(pool.stats())
         if self._probe_task is not None:
-            for pool in changes.created:
+            for pool in with_prefill(changes.created):
                 self._pool_tasks.start(pool)
 
     # -- in-process API (local mode) -------------------------------------------------------

@@ -24,6 +24,7 @@ from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
 from servefleet.gateway.kv_pull import kv_pull_params
 from servefleet.gateway.limit_headers import retry_after
 from servefleet.gateway.metrics import GatewayMetrics
+from servefleet.gateway.pd import PrefillJoiner, pick_prefill, servefleet_fields
 from servefleet.gateway.poison import PoisonedRequest, is_poisoned, poisoned_error
 from servefleet.gateway.pool import DeploymentPool, Lease
 from servefleet.gateway.proxy import prepare_body
@@ -68,6 +69,7 @@ def engine_fields(call: Call, lease: Lease) -> dict[str, Any]:
     if call.path not in ("/v1/chat/completions", "/v1/completions"):
         return {}
     fields = kv_pull_params(config, lease, call.prompt_tokens)
+    fields.update(servefleet_fields(call))  # P/D: the decode engine has the prefill one compute
     if call.route.traffic_class is TrafficClass.BATCH and config.engine_priority:
         fields["priority"] = "batch"
     return fields
@@ -78,10 +80,14 @@ class Forwarder:
         self._upstream = upstream
         self._metrics = metrics
         self._relay = relay
+        self._joiner = PrefillJoiner(upstream)  # P/D with vLLM and SGLang engines
 
     async def to_pool(self, call: Call, lease: Lease, send: Send, receive: Receive) -> None:
         """Relay the replica's answer; raises OpenAIError when no replica could answer."""
         pool = call.route.pool
+        call.prefill = pick_prefill(pool, call)
+        if call.prefill is not None:
+            self._metrics.kv_route_decisions.labels(pool.model, "pd").inc()
         first, body = self._pool_body(call, lease)
         retried = False
         while True:
@@ -140,7 +146,13 @@ class Forwarder:
         """`_attempt` on the leased replica; a timeout on a replica that still answers its
         probe is the request's fault (`poison`), not the replica's."""
         replica = lease.replica
-        response, failure = await self._attempt(call.route.pool, replica, call, body)
+        pool = call.route.pool
+        try:  # P/D: the prefill replica's part is over once the decode replica answers
+            body = await self._joiner.decode_body(call, body, engine_headers(pool.config))
+            response, failure = await self._attempt(pool, replica, call, body)
+        finally:
+            if call.prefill is not None:
+                call.prefill.release()
         if call.timed_out and await is_poisoned(self._upstream, call, replica):
             return None, poisoned_error(call)
         return response, failure

@@ -24,6 +24,7 @@ from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
+from servefleet.gateway.pd_pool import prefill_deployment
 from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
 from servefleet.gateway.pool_types import Lease, Placement, PoolRequest, Shed, Spill
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
@@ -84,7 +85,12 @@ class DeploymentPool:
         )
         self._spill_tenants = frozenset(spill.tenants) if spill is not None else frozenset()
         self.adapter_loads = AdapterLoads(clock)
+        prefill = prefill_deployment(config)  # disaggregated P/D: the prefill pool (`pd`)
+        self.prefill = DeploymentPool(prefill, routing, clock=clock) if prefill else None
         self.set_replicas(config.endpoints)
+
+    def now(self) -> float:
+        return self._clock()
 
     def inherit(self, old: DeploymentPool) -> None:
         """A pool replacing `old` keeps what was learned: replicas, timings, tokenizer."""
