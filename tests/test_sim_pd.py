@@ -161,3 +161,13 @@ def test_cli_writes_frontiers(tmp_path: Path) -> None:
         assert front["colocated"] and front["pd"]
         costs = [p["cost"] for p in front["pd"]]
         assert costs == sorted(costs)
+
+
+def test_itl_quantiles_are_of_the_gaps_streams_saw() -> None:
+    work, result = run(1, 2)
+    gaps = [
+        b[0] - a[0] for t in tokens_by_request(result).values() for a, b in itertools.pairwise(t)
+    ]
+    assert len(result.all_gaps_s) == len(gaps) == (work.output_tokens - 1).sum()
+    assert result.itl_quantile(1.0) == pytest.approx(max(gaps))
+    assert result.itl_quantile(1.0) == pytest.approx(result.max_gap_s.max())

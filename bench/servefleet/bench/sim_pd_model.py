@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -92,19 +93,13 @@ class PDResult:
     step_end_s: list[float] = field(default_factory=list)
     step_prefill_tokens: list[int] = field(default_factory=list)
     step_decode_tokens: list[int] = field(default_factory=list)
+    all_gaps_s: array[float] = field(default_factory=lambda: array("d"))
+    """Every inter-token gap of every stream, as its client saw it."""
     token_log: list[tuple[int, float, int]] = field(default_factory=list)
     """(request, time, step index or -1 when it came with the KV); only when asked for."""
 
     def itl_quantile(self, q: float) -> float:
-        """Quantile of every inter-token gap: each decode token of a step waited that step."""
-        dur = np.array(self.step_end_s) - np.array(self.step_start_s)
-        weights = np.array(self.step_decode_tokens, dtype=float)
-        keep = weights > 0
-        if not keep.any():
-            return 0.0
-        order = np.argsort(dur[keep])
-        cum = np.cumsum(weights[keep][order])
-        return float(dur[keep][order][np.searchsorted(cum, q * cum[-1])])
+        return float(np.quantile(self.all_gaps_s, q)) if len(self.all_gaps_s) else 0.0
 
 
 _ARRIVE, _STEP_END, _KV_IN = 0, 1, 2
@@ -188,6 +183,7 @@ class _PoolSim:
             self.r.gaps[req] += 1
             self.r.slow_gaps[req] += gap > self.itl_slo_s
             self.r.max_gap_s[req] = max(self.r.max_gap_s[req], gap)
+            self.r.all_gaps_s.append(gap)
         self.emitted[req] += 1
         self.last_token[req] = now
         if self.log:
