@@ -10,7 +10,10 @@ open connections to the engine port, the gateway's internal port and Redis. Ever
 must fail, while the same pods still reach the gateway's tenant port, the chart's own pods
 reach what they need (gateway to engines and Redis, autoscaler to the gateway's internal
 port), and another tenant's requests through the gateway keep their p99 within `P99_FACTOR`
-of a quiet run measured just before.
+of a quiet run measured just before. Last, with the deployment at two replicas, each engine
+reaches the other's KV routes (`/internal/kv/info`, with the engine key its pod holds), while
+pods labelled as another deployment's engine, or as this one's in another namespace, cannot
+connect to either.
 
 The module installs the chart itself (Redis on) and removes it, its namespaces and its
 LLMDeployment at the end, so it runs alone or beside the other node tests. Run (as root):
@@ -19,6 +22,7 @@ LLMDeployment at the end, so it runs alone or beside the other node tests. Run (
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -33,8 +37,16 @@ from k8s.kubectl import Kube, is_ready, wait_for
 from k8s.netprobe import Tally, Target, probe, probe_pod, start_pod
 from k8s.node import NodeCluster
 
-from servefleet.api.conventions import LABEL_APP_COMPONENT
+from servefleet.api.conventions import (
+    ENGINE_CONTAINER,
+    ENGINE_KEY_SECRET_KEY,
+    LABEL_APP_COMPONENT,
+    LABEL_DEPLOYMENT,
+    engine_key_secret_name,
+)
+from servefleet.api.engine_flags import API_KEY_ENV
 from servefleet.api.engines import engine_adapter
+from servefleet.api.kv_transfer import INFO_PATH
 from servefleet.bench.attack_common import (
     P99_FACTOR,
     AttackResult,
@@ -366,3 +378,128 @@ def table(results: list[AttackResult]) -> str:
         verdict = "held" if not r.violations else "FAILED: " + "; ".join(r.violations)
         rows.append(f"| {r.attack} | {r.outcome} | {p99} | {verdict} |")
     return "\n".join(rows)
+
+
+# ------------------------------------------------------------------ engine to engine (KV pulls)
+
+KV_INFO_SCRIPT = r"""
+import json, os, sys, urllib.error, urllib.request
+url, env, key = sys.argv[1:4]
+key = os.environ[env] if env else key
+headers = {"Authorization": f"Bearer {key}"} if key else {}
+try:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=3) as r:
+        print(json.dumps({"status": r.status, "body": json.loads(r.read())}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "body": None}))
+except Exception as e:
+    print(json.dumps({"status": None, "error": type(e).__name__ + ": " + str(e)}))
+"""
+
+
+def kv_info(
+    kube: Kube, namespace: str, pod: str, container: str, peer_ip: str, key: str | None = None
+) -> dict[str, Any]:
+    """GET a peer engine's `/internal/kv/info` from inside `pod`, as an engine pulling KV does:
+    with the key in the container's own `API_KEY_ENV` (engines have it) when `key` is None,
+    else with `key` ("" sends none)."""
+    url = f"http://{peer_ip}:{ENGINE_PORT}{INFO_PATH}"
+    env = API_KEY_ENV if key is None else ""
+    out = kube.kubectl(
+        "exec", "-n", namespace, pod, "-c", container, "--",
+        "python3", "-c", KV_INFO_SCRIPT, url, env, key or "",
+    )  # fmt: skip
+    answer: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return answer
+
+
+def set_engine_replicas(kube: Kube, replicas: int) -> None:
+    patch = {"spec": {"pool": {"minReplicas": replicas, "maxReplicas": replicas}}}
+    kube.kubectl("patch", "llmd", LLMD, "-n", TEAM, "--type", "merge", "-p", json.dumps(patch))
+
+
+def ready_engine_pods(stack: Stack) -> list[dict[str, Any]]:
+    llmd = stack.kube.get("llmd", LLMD, TEAM) or {}
+    selector = llmd.get("status", {}).get("selector")
+    pods = stack.kube.list("pods", TEAM, selector) if selector else []
+    return [p for p in pods if is_ready(p) and not p["metadata"].get("deletionTimestamp")]
+
+
+def engine_key(kube: Kube) -> str:
+    encoded = kube.kubectl(
+        "get", "secret", engine_key_secret_name(LLMD), "-n", TEAM,
+        "-o", f"jsonpath={{.data.{ENGINE_KEY_SECRET_KEY}}}",
+    )  # fmt: skip
+    return base64.b64decode(encoded).decode()
+
+
+def engines_reach_each_other(kube: Kube, names: list[str], ips: list[str]) -> None:
+    """Each engine gets the other's KV info with its own key; both caches have one layout;
+    the peer still refuses a request without the key."""
+
+    def peer_info(i: int) -> dict[str, Any] | None:
+        answer = kv_info(kube, TEAM, names[i], ENGINE_CONTAINER, ips[1 - i])
+        return answer if answer["status"] == 200 else None
+
+    # A new pod's address joins the policy's peer set on kube-router's next sync.
+    infos = [
+        wait_for(f"{names[i]} to reach {names[1 - i]}", lambda i=i: peer_info(i), ENFORCED_S, 2)
+        for i in range(2)
+    ]
+    print(f"\nengine -> engine {INFO_PATH}: 200 both ways ({', '.join(names)})")
+    assert infos[0]["body"]["fingerprint"] == infos[1]["body"]["fingerprint"], infos
+    assert infos[0]["body"]["bytes_per_block"] > 0
+    keyless = kv_info(kube, TEAM, names[0], ENGINE_CONTAINER, ips[1], key="")
+    assert keyless["status"] == 401, f"a request without the engine key got {keyless}"
+
+
+def impostor_failures(stack: Stack, pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pods labelled as another deployment's engine (same namespace) or as this deployment's
+    (another namespace) try TCP and then the KV info route with the real engine key."""
+    kube = stack.kube
+    own = {k: v for k, v in pods[0]["metadata"]["labels"].items() if k != "pod-template-hash"}
+    impostors = {
+        "pod in the engines' namespace labelled as another deployment's engine": (
+            TEAM,
+            own | {LABEL_DEPLOYMENT: f"{LLMD}-other"},
+        ),
+        "pod in another namespace labelled as this deployment's engine": (OTHER, own),
+    }
+    key = engine_key(kube)
+    ips = [p["status"]["podIP"] for p in pods]
+    targets = {f"engine {p['metadata']['name']}": (p["status"]["podIP"], ENGINE_PORT) for p in pods}
+    failures: dict[str, Any] = {}
+    for i, (what, (namespace, labels)) in enumerate(impostors.items()):
+        pod = stack.start_probe(f"kv-impostor-{i}", namespace, labels)
+        tallies = probe(kube, namespace, pod, targets, seconds=WINDOW_S / 4)
+        answers = [kv_info(kube, namespace, pod, "probe", ip, key=key) for ip in ips]
+        print(f"{what}: " + ", ".join(f"{t}: {v}" for t, v in tallies.items()))
+        got_through = [a for a in answers if a["status"] is not None]
+        if not all(t.blocked for t in tallies.values()) or got_through:
+            failures[what] = {"tallies": {t: str(v) for t, v in tallies.items()}, "http": answers}
+    return failures
+
+
+def test_engines_of_one_deployment_reach_each_others_kv_routes_and_nobody_else(
+    stack: Stack,
+) -> None:
+    """KV pulls go engine to engine: with two replicas, each engine pod gets the other's
+    `/internal/kv/info` (with the key from its own env; without a key: 401) and both report
+    the same cache fingerprint. A pod labelled as another deployment's engine in the same
+    namespace, and a pod labelled exactly as this deployment's engines in another namespace,
+    cannot even connect to either engine, holding the engine key or not."""
+    stack.wait_engine()
+    set_engine_replicas(stack.kube, 2)
+    try:
+
+        def two_ready() -> list[dict[str, Any]] | None:
+            pods = ready_engine_pods(stack)
+            return pods if len(pods) == 2 else None
+
+        pods = wait_for("two ready engine pods", two_ready, STARTUP_TIMEOUT_S, 2)
+        names = [p["metadata"]["name"] for p in pods]
+        engines_reach_each_other(stack.kube, names, [p["status"]["podIP"] for p in pods])
+        failures = impostor_failures(stack, pods)
+        assert not failures, failures
+    finally:
+        set_engine_replicas(stack.kube, 1)
