@@ -93,7 +93,7 @@ async def pull_prefix(
     for source in sources:
         if not missing or time.monotonic() >= deadline:
             break
-        got = await _pull_from(state, store, source, missing, adapter, deadline)
+        got = await pull_from(state, store, source, missing, adapter, deadline)
         pulled += got
         missing = missing[got:]
     if missing:
@@ -141,7 +141,7 @@ def worth_pulling(prompt_rate: Ewma, store: KVStore, blocks: int) -> bool:
     return pull_s < blocks * store.block_size / prompt_rate.value
 
 
-async def _pull_from(
+async def pull_from(
     state: ServingState,
     store: KVStore,
     source: str,
