@@ -105,9 +105,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "serving",
         "on start, /ready answers 503 kv-warming for at most this long, so the gateway can "
         "have the new replica pull its peers' hottest prefixes first (POST /internal/kv/warm); "
-        "0: ready at once",
+        "0: ready at once (the default for an engine started by hand: nothing warms it; the "
+        "operator and local mode pass 10)",
         kind=float,
-        default=10.0,
+        default=0.0,
         minimum=0,
         maximum=60,
     ),

@@ -5,7 +5,8 @@ readiness prober, seeing that detail, POSTs `warm` to it once, naming the pool's
 replicas as sources (none: the first replica of a pool, which then is ready at once). The
 engine asks each source's `hot` list, pulls those chains (`kv_transfer` export, the same
 verified wire) within `max_blocks` and `deadline_s`, then reports ready. Without a warm call
-it is ready after `--kv-warm-start-seconds` anyway, so a cold start grows by at most that
+it is ready after `--kv-warm-start-seconds` (`WARM_START_SECONDS` as the platform starts
+engines) anyway, so a cold start grows by at most that
 bound. Both paths sit behind the engine key; sources are checked as `kv_sources` are
 (`--kv-peer-networks`). Standard library and pydantic only.
 """
@@ -20,6 +21,11 @@ WARM_PATH = "/internal/kv/warm"
 HOT_PATH = "/internal/kv/hot"
 WARMING_DETAIL = "kv-warming"
 """`/ready`'s 503 detail while the engine may still be warmed (the gateway's cue)."""
+
+WARM_START_SECONDS = 10.0
+"""`--kv-warm-start-seconds` of the engines the platform starts (operator, local mode): the
+most a cold start grows while waiting for the gateway's warm call. The engine's own default
+is 0, since an engine started by hand has no gateway to warm it."""
 
 MAX_HOT_CHAINS = 256
 """Chains one hot list names at most (each root → leaf, hottest first)."""
