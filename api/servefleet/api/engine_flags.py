@@ -100,6 +100,18 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "fc00::/7",
         metavar="CIDRS",
     ),
+    EngineFlag(
+        "kv_warm_start_seconds",
+        "serving",
+        "on start, /ready answers 503 kv-warming for at most this long, so the gateway can "
+        "have the new replica pull its peers' hottest prefixes first (POST /internal/kv/warm); "
+        "0: ready at once (the default for an engine started by hand: nothing warms it; the "
+        "operator and local mode pass 10)",
+        kind=float,
+        default=0.0,
+        minimum=0,
+        maximum=60,
+    ),
     EngineFlag("dtype", "serving", "weights dtype", default="auto", choices=_choices(WeightsDtype)),
     EngineFlag("device", "serving", "auto, cpu, cuda, cuda:N", default="auto"),
     EngineFlag(

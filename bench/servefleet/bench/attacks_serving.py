@@ -19,6 +19,7 @@ import httpx
 import psutil
 
 from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH
+from servefleet.api.kv_warm import HOT_PATH, WARM_PATH
 from servefleet.bench import attack_payloads as payloads
 from servefleet.bench.attack_common import AttackResult, timed
 from servefleet.bench.attack_sockets import CutResult, slow_body
@@ -259,6 +260,8 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "kv info": ("GET", INFO_PATH, None),
         "kv export": ("POST", EXPORT_PATH, {"hashes": ["0" * 32]}),
         "kv import": ("POST", IMPORT_PATH, None),
+        "kv hot": ("GET", HOT_PATH, None),
+        "kv warm": ("POST", WARM_PATH, {"sources": ["http://127.0.0.1:9"]}),
     }
     headers = stack.tenant_headers(ATTACKER)
     for label, (method, path, body) in calls.items():

@@ -62,6 +62,7 @@ class EngineConfig(BaseModel):
     port: int = knob("port")
     api_key: str | None = knob("api_key", repr=False)
     kv_peer_networks: str = knob("kv_peer_networks")
+    kv_warm_start_seconds: float = knob("kv_warm_start_seconds")
     dtype: WeightsDtype = knob("dtype")
     device: str = knob("device")
     tool_call_parser: ToolCallParser | None = knob("tool_call_parser")

@@ -27,6 +27,7 @@ from servefleet.api.kv_blocks import chain, root_hash
 from servefleet.api.kv_transfer import (
     EXPORT_PATH,
     FINGERPRINT_HEADER,
+    LOOKUP_PATH,
     MAX_TRANSFER_BLOCKS,
     WINDOW_BLOCKS,
     KVTransferParams,
@@ -92,10 +93,13 @@ async def pull_prefix(
         return 0
     deadline = time.monotonic() + params.deadline_s
     pulled = 0
-    for source in params.kv_sources:
+    sources = [s.rstrip("/") for s in params.kv_sources]
+    if missing and len(sources) > 1:
+        sources = await rank_sources(state, store, sources, missing, deadline)
+    for source in sources:
         if not missing or time.monotonic() >= deadline:
             break
-        got = await _pull_from(state, store, source.rstrip("/"), missing, adapter, deadline)
+        got = await pull_from(state, store, source, missing, adapter, deadline)
         pulled += got
         missing = missing[got:]
     if missing:
@@ -114,6 +118,33 @@ def worth_pulling(prompt_rate: Ewma, store: KVStore, blocks: int) -> bool:
         return True
     pull_s = blocks * store.bytes_per_block / store.pull_rate.value
     return pull_s < blocks * store.block_size / prompt_rate.value
+
+
+async def rank_sources(
+    state: ServingState, store: KVStore, sources: list[str], hashes: list[int], deadline: float
+) -> list[str]:
+    """The sources that hold some of `hashes`' leading run, longest holder first (a tie
+    keeps the caller's order): each is asked `lookup` at once, so a dead or empty source
+    (a failover's guesses) costs one round trip, in parallel, not a failed export."""
+    timeout = max(0.001, deadline - time.monotonic())
+    headers = {FINGERPRINT_HEADER: store.fingerprint}
+    if state.api_key:
+        headers["Authorization"] = f"Bearer {state.api_key}"
+    body = {"hashes": [hash_hex(h) for h in hashes]}
+
+    async def held(client: httpx.AsyncClient, source: str) -> int:
+        try:
+            resp = await client.post(source + LOOKUP_PATH, json=body, headers=headers)
+            return int(resp.json()["cached"]) if resp.status_code == 200 else 0
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.info("kv_lookup_failed source=%s error=%r", source, exc)
+            return 0
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
+        counts = await asyncio.gather(*(held(client, s) for s in sources))
+    pairs = zip(counts, sources, strict=True)
+    ranked = sorted((-count, i, s) for i, (count, s) in enumerate(pairs) if count > 0)
+    return [s for _, _, s in ranked]
 
 
 async def remote_prefill(
@@ -144,13 +175,13 @@ async def remote_prefill(
     }
     deadline = time.monotonic() + params.deadline_s
     source = params.remote_prefill.rstrip("/")
-    got = await _pull_from(state, store, source, hashes[held:], adapter, deadline, body)
+    got = await pull_from(state, store, source, hashes[held:], adapter, deadline, body)
     if held + got < usable:
         state.engine.metrics.kv_transfer.fallback("incomplete" if got else "nothing_pulled")
     return got
 
 
-async def _pull_from(
+async def pull_from(
     state: ServingState,
     store: KVStore,
     source: str,

@@ -31,6 +31,7 @@ from servefleet.engine.kv_budget import MIN_BLOCKS, kv_cache_blocks
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.kv_fingerprint import fingerprint_fields, kv_fingerprint
 from servefleet.engine.kv_store import KVStore
+from servefleet.engine.kv_warm_gate import WarmGate
 from servefleet.engine.loop import Engine
 from servefleet.engine.lora.setup import build_lora_registry
 from servefleet.engine.metrics import EngineMetrics
@@ -370,6 +371,8 @@ def serve(config: EngineConfig, http_server: EngineHttpServer) -> int:
     if not http.is_alive():
         log.error("http server stopped during start-up")
         return 1
+    if config.kv_warm_start_seconds > 0 and config.enable_prefix_caching:
+        built.state.kv_warm = WarmGate(config.kv_warm_start_seconds)  # /ready: kv-warming
     built.state.ready = True
     # The grammar compiler's processes start now, beside the loop, not at the first
     # constrained request (their first start imports xgrammar and torch: seconds of CPU,

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from servefleet.api.kv_warm import WARMING_DETAIL
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from servefleet.api.openai_wire import HeaderLimit
@@ -27,6 +28,7 @@ from servefleet.engine.api_key import ApiKeyMiddleware
 from servefleet.engine.extra_routes import add_extra_routes
 from servefleet.engine.kv_puller import check_kv_transfer, pull_prefix
 from servefleet.engine.kv_routes import add_kv_routes
+from servefleet.engine.kv_warm import add_kv_warm_routes
 from servefleet.engine.loop import EngineDeadError, EngineRequest, SequenceOutput
 from servefleet.engine.lora.adapter import LoraAdapter
 from servefleet.engine.lora_routes import add_lora_routes, model_cards
@@ -62,6 +64,7 @@ def build_app(state: ServingState) -> FastAPI:
     add_extra_routes(app, state)
     add_lora_routes(app, state)
     add_kv_routes(app, state)
+    add_kv_warm_routes(app, state)
     app.add_middleware(HeaderLimit)
     return app
 
@@ -131,6 +134,8 @@ def _add_probe_routes(app: FastAPI, state: ServingState) -> None:
             return JSONResponse({"ready": False, "detail": "draining"}, 503)
         if not state.ready or not ok:
             return JSONResponse({"ready": False, "detail": reason if not ok else "loading"}, 503)
+        if state.kv_warm is not None and state.kv_warm.warming():
+            return JSONResponse({"ready": False, "detail": WARMING_DETAIL}, 503)
         return JSONResponse({"ready": True})
 
     @app.get("/metrics")

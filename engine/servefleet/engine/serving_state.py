@@ -16,6 +16,7 @@ from servefleet.api.engine_flags import engine_flag
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.replica_endpoints import IPNetwork
 from servefleet.engine.kv_store import KVStore
+from servefleet.engine.kv_warm_gate import WarmGate
 from servefleet.engine.loop import Engine
 from servefleet.engine.lora.registry import LoraRegistry
 from servefleet.engine.prepare_pool import Preparer
@@ -44,6 +45,7 @@ class ServingState:
     loras: LoraRegistry | None = None  # --enable-lora: the adapters served beside the model
     kv_store: KVStore | None = None  # the cache's storage and fingerprint: KV transfer
     kv_peer_networks: tuple[IPNetwork, ...] = ()  # --kv-peer-networks
+    kv_warm: WarmGate | None = None  # while set and warming, /ready answers 503 kv-warming
     # --prepare-timeout: one request's preparation budget
     prepare_timeout_s: float = engine_flag("prepare_timeout").default  # type: ignore[assignment]
 

@@ -21,7 +21,7 @@ from servefleet.gateway.adapter_loads import LOAD_TIMEOUT_S, AdapterLoadFailed
 from servefleet.gateway.asgi import JSON, Receive, Send
 from servefleet.gateway.call import Call
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
-from servefleet.gateway.kv_pull import kv_pull_params
+from servefleet.gateway.kv_pull import failover_pull_params, kv_pull_params
 from servefleet.gateway.limit_headers import retry_after
 from servefleet.gateway.metrics import GatewayMetrics
 from servefleet.gateway.pd import PrefillJoiner, pick_prefill, servefleet_fields
@@ -224,7 +224,10 @@ class Forwarder:
             splice.continuations += 1
             splice.broken = False
             self._metrics.stream_continuations.labels(pool.model).inc()
-            body = encode(continuation_body(first, splice))
+            tokens = call.prompt_tokens + len(splice.delivered_ids)
+            resumed = continuation_body(first, splice)
+            pair = (leases[-2], moved)
+            body = encode(failover_pull_params(pool.config, pool.replicas, pair, resumed, tokens))
             response, _ = await self._attempt(pool, moved.replica, call, body)
             if response is not None and response.status == 200:
                 call.replica = moved.replica.endpoint

@@ -13,6 +13,11 @@ only the leading blocks it lacks that the source holds, and recomputes whatever 
 by the deadline, so a wrong guess costs at most one round trip (a lookup that finds
 nothing) and a slow source at most the deadline. vLLM and SGLang engines are sent nothing
 (`kv_pull_min_tokens` is null for them).
+
+Failover uses the same field: a stream continued on another replica after its engine died
+(`forward.Forwarder._continue`) names the live peers that may hold the prompt's prefix
+(`failover_pull_params`), so the new replica pulls the longest chain it finds for the
+prompt plus the delivered tokens and recomputes only the tail.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from __future__ import annotations
 from typing import Any
 
 from servefleet.api.gateway_config import GatewayDeployment
+from servefleet.api.gateway_stats import ReplicaHealth
+from servefleet.api.kv_transfer import MAX_SOURCES
 from servefleet.api.stream_resume import KV_TRANSFER_PARAMS
 from servefleet.gateway.pool_types import Lease
+from servefleet.gateway.routing import Replica, ReplicaSet
 
 
 def kv_pull_params(config: GatewayDeployment, lease: Lease, prompt_tokens: int) -> dict[str, Any]:
@@ -32,3 +40,43 @@ def kv_pull_params(config: GatewayDeployment, lease: Lease, prompt_tokens: int) 
         return {}
     params = {"kv_sources": [lease.kv_source], "deadline_s": config.kv_pull_deadline_seconds}
     return {KV_TRANSFER_PARAMS: params}
+
+
+def failover_sources(
+    replicas: ReplicaSet, dead: Replica, target: Replica, prior: list[str]
+) -> list[str]:
+    """Live replicas that may hold a broken stream's prefix, likeliest first: those the
+    first request named (the affine replica it was sent away from), then the replica the
+    prefix is affine to now, then every other ready one; never the dead one nor the target,
+    at most `MAX_SOURCES` (the engine looks each up and pulls from the longest holder)."""
+    ready = [r.endpoint for r in replicas.replicas.values() if r.state is ReplicaHealth.READY]
+    ordered = [*prior, *ready]
+    skip = {dead.endpoint, target.endpoint}
+    out: list[str] = []
+    for endpoint in ordered:
+        if endpoint not in skip and endpoint in ready and endpoint not in out:
+            out.append(endpoint)
+    return out[:MAX_SOURCES]
+
+
+def failover_pull_params(
+    config: GatewayDeployment,
+    replicas: ReplicaSet,
+    leases: tuple[Lease, Lease],
+    body: dict[str, Any],
+    tokens: int,
+) -> dict[str, Any]:
+    """A continuation `body` (prompt + delivered tokens: `tokens` in all) for the second of
+    `leases` after the first broke: `kv_transfer_params` names live peers to pull the KV
+    from, or is dropped (the first request's source may be the new replica itself, or dead).
+    Exact continuations (our engines) only: vLLM and SGLang continue from text."""
+    prior = body.pop(KV_TRANSFER_PARAMS, None) or {}
+    least = config.kv_pull_min_tokens
+    if least is None or not config.exact_continuation or tokens < least:
+        return body
+    dead, target = leases[0].replica, leases[1].replica
+    sources = failover_sources(replicas, dead, target, list(prior.get("kv_sources") or ()))
+    if sources:
+        deadline = config.kv_pull_deadline_seconds
+        body[KV_TRANSFER_PARAMS] = {"kv_sources": sources, "deadline_s": deadline}
+    return body

@@ -3,7 +3,8 @@
 A 200 makes a starting (or draining) replica ready; anything else marks a ready one draining.
 An ejected replica is left alone until its back-off ends: the trial request decides then.
 A ready replica of a pool with LoRA adapters is also asked which adapters it holds
-(`GET /v1/models`), since engines evict them on their own.
+(`GET /v1/models`), since engines evict them on their own. A starting replica that answers
+503 `kv-warming` is asked once to warm its cache from its ready peers (`kv_warm`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable
 import httpx
 
 from servefleet.gateway.adapter_loads import refresh
+from servefleet.gateway.kv_warm import WarmAsker, is_warming
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.routing import Replica
 
@@ -28,12 +30,14 @@ class ReplicaProber:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._client: httpx.AsyncClient | None = None
+        self.warm = WarmAsker()
 
     def open(self) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False)
 
     async def close(self) -> None:
+        await self.warm.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -52,25 +56,25 @@ class ReplicaProber:
         if client is None:
             return
         now = self._clock()
-        jobs = [
-            self._probe(client, pool, replica)
-            for pool in pools
-            for replica in list(pool.replicas.replicas.values())
-            if replica.ejected_until <= now
-        ]
+        pairs = [(p, r) for p in pools for r in list(p.replicas.replicas.values())]
+        jobs = [self._probe(client, p, r) for p, r in pairs if r.ejected_until <= now]
         if jobs:
             await asyncio.gather(*jobs)
+        self.warm.forget_gone(r for _, r in pairs)
 
-    @staticmethod
-    async def _probe(client: httpx.AsyncClient, pool: DeploymentPool, replica: Replica) -> None:
+    async def _probe(
+        self, client: httpx.AsyncClient, pool: DeploymentPool, replica: Replica
+    ) -> None:
         try:
             resp = await client.get(
                 replica.endpoint + pool.config.ready_path, timeout=PROBE_TIMEOUT_S
             )
             ready = resp.status_code == 200
         except httpx.HTTPError:
-            ready = False
+            resp, ready = None, False
         pool.probe_result(replica, ready)
+        if resp is not None and is_warming(resp):
+            self.warm.ask(client, pool, replica)
         if ready and pool.config.adapters:
             await _refresh_adapters(client, pool, replica)
 

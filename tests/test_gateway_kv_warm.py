@@ -1,0 +1,114 @@
+"""Scale-up warm start, the gateway's half: a replica whose readiness probe answers 503
+kv-warming is asked once to warm from the pool's ready replicas (never itself), the first
+replica of a pool is told there is no peer (so it is ready at once), and the engine key is
+sent. A replica that answers anything else is never asked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from servefleet.api.gateway_config import (
+    GatewayConfig,
+    GatewayDeployment,
+    RoutingConfig,
+    TenantAccess,
+)
+from servefleet.api.kv_warm import WARM_PATH, WARMING_DETAIL
+from servefleet.bench.fake_upstream import FakeOpenAI
+from servefleet.bench.processes import serve_in_thread
+from servefleet.gateway.app import Gateway
+from servefleet.gateway.kv_warm import warm_sources
+from servefleet.gateway.routing import ReplicaSet
+from tests.test_gateway_probes import states, tenant, wait_until
+
+
+class WarmingEngine:
+    """`/ready`: 503 kv-warming until a warm call arrives; records the calls."""
+
+    def __init__(self, detail: str = WARMING_DETAIL) -> None:
+        self.detail, self.probes = detail, 0
+        self.calls: list[tuple[dict[str, Any], str | None]] = []
+        self.app = Starlette(
+            routes=[
+                Route("/ready", self.ready),
+                Route(WARM_PATH, self.warm, methods=["POST"]),
+            ]
+        )
+
+    async def ready(self, request: Request) -> JSONResponse:
+        self.probes += 1
+        if self.calls:
+            return JSONResponse({"ready": True})
+        return JSONResponse({"ready": False, "detail": self.detail}, 503)
+
+    async def warm(self, request: Request) -> JSONResponse:
+        self.calls.append((await request.json(), request.headers.get("authorization")))
+        return JSONResponse({"blocks": 3, "chains": 1, "seconds": 0.0, "sources": {}})
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Gateway, ExitStack]]:
+    with ExitStack() as stack:
+        config = GatewayConfig(
+            tenants=[tenant("a")],
+            deployments=[GatewayDeployment(name="d", model="m", tenants=[TenantAccess(name="a")])],
+            routing=RoutingConfig(probe_interval_seconds=0.05),
+        )
+        gateway = Gateway(config)
+        stack.enter_context(serve_in_thread(gateway))
+        yield gateway, stack
+
+
+def test_a_warming_replica_is_asked_once_with_the_ready_peers(
+    served: tuple[Gateway, ExitStack],
+) -> None:
+    gateway, stack = served
+    peers = [stack.enter_context(serve_in_thread(FakeOpenAI())) for _ in range(2)]
+    engine = WarmingEngine()
+    new = stack.enter_context(serve_in_thread(engine.app, lifespan="off"))
+    gateway.set_replicas("d", [*peers, new], ready=peers)
+    wait_until(lambda: states(gateway)[new] == "ready")
+    ((body, key),) = engine.calls
+    assert sorted(body["sources"]) == sorted(peers)
+    assert new not in body["sources"]
+    assert body["max_blocks"] > 0 and body["deadline_s"] > 0
+    assert key is None  # this deployment has no engine key
+
+
+def test_the_first_replica_of_a_pool_is_told_there_is_no_peer(
+    served: tuple[Gateway, ExitStack],
+) -> None:
+    gateway, stack = served
+    engine = WarmingEngine()
+    new = stack.enter_context(serve_in_thread(engine.app, lifespan="off"))
+    gateway.set_replicas("d", [new], ready=[])
+    wait_until(lambda: states(gateway)[new] == "ready")
+    assert [body["sources"] for body, _ in engine.calls] == [[]]
+
+
+def test_a_replica_still_loading_is_not_asked(served: tuple[Gateway, ExitStack]) -> None:
+    gateway, stack = served
+    engine = WarmingEngine(detail="loading")
+    url = stack.enter_context(serve_in_thread(engine.app, lifespan="off"))
+    gateway.set_replicas("d", [url], ready=[])
+    wait_until(lambda: engine.probes >= 3)
+    assert engine.calls == [] and states(gateway)[url] == "starting"
+
+
+def test_sources_are_ready_others_least_busy_first_and_capped() -> None:
+    replicas = ReplicaSet(cap=4)
+    urls = [f"http://10.0.0.{i}:8000" for i in range(7)]
+    replicas.set_endpoints(urls, 0.0, ready=urls[1:])
+    replicas.replicas[urls[2]].outstanding = 3
+    replicas.eject(replicas.replicas[urls[3]], 0.0)
+    got = warm_sources(replicas, replicas.replicas[urls[1]])
+    assert got == [urls[4], urls[5], urls[6], urls[2]]
+    assert warm_sources(replicas, replicas.replicas[urls[0]])[:1] == [urls[1]]
