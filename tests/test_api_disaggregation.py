@@ -90,3 +90,10 @@ def test_prefill_bounds_are_checked_and_replicas_clamped() -> None:
     dep = LLMDeployment.model_validate(doc("servefleet", None, maxReplicas=2, replicas=9))
     assert dep.spec.disaggregation is not None
     assert dep.spec.disaggregation.prefill.desired_replicas() == 2
+
+
+def test_kubectl_get_wide_shows_the_prefill_pools_ready_replicas() -> None:
+    columns = crd_manifest()["spec"]["versions"][0]["additionalPrinterColumns"]
+    (prefill,) = [c for c in columns if c["name"] == "Prefill"]
+    assert prefill["jsonPath"] == ".status.prefill.readyReplicas"
+    assert prefill["priority"] == 1

@@ -83,7 +83,7 @@ class OneGateway:
         return {"ns/llm": self.stats}
 
 
-async def run_tick(stats: DeploymentStats) -> list[Call]:
+async def run_tick(stats: DeploymentStats, metrics: AutoscalerMetrics | None = None) -> list[Call]:
     def answer(call: Call) -> tuple[int, Any]:
         if call.path.endswith("/llmdeployments"):
             return 200, {"items": [pd_deployment(1)]}
@@ -92,13 +92,19 @@ async def run_tick(stats: DeploymentStats) -> list[Call]:
         return 200, {"spec": {"replicas": 1}}
 
     async with fake_kube(answer) as (api, kube), httpx.AsyncClient() as http:
-        autoscaler = ClusterAutoscaler(kube, ["ns"], OneGateway(stats), AutoscalerMetrics(), http)
+        gateway = OneGateway(stats)
+        autoscaler = ClusterAutoscaler(kube, ["ns"], gateway, metrics or AutoscalerMetrics(), http)
         await autoscaler.tick()
     return api.calls
 
 
 async def test_the_cluster_autoscaler_patches_the_prefill_replicas_from_the_signal() -> None:
-    calls = await run_tick(DeploymentStats(name="ns/llm", prefill_prompt_tokens_queued=250))
+    metrics = AutoscalerMetrics()
+    stats = DeploymentStats(name="ns/llm", prefill_prompt_tokens_queued=250)
+    calls = await run_tick(stats, metrics)
+    text = metrics.render().decode()
+    assert 'servefleet_autoscaler_prefill_desired_replicas{deployment="ns/llm"} 3.0' in text
+    assert 'servefleet_autoscaler_prefill_prompt_tokens{deployment="ns/llm"} 250.0' in text
     spec_patches = [
         c for c in calls if c.method == "PATCH" and c.path.endswith("/llmdeployments/llm")
     ]

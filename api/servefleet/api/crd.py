@@ -176,6 +176,13 @@ PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
         "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
         "priority": 1,
     },
+    # Disaggregated only (empty otherwise): the prefill pool's ready replicas (`-o wide`).
+    {
+        "name": "Prefill",
+        "type": "integer",
+        "jsonPath": ".status.prefill.readyReplicas",
+        "priority": 1,
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
 

@@ -163,10 +163,20 @@ class ClusterAutoscaler:
         dep_stats = stats.get(gateway_name(dep)) if stats is not None else None
         tokens = dep_stats.prefill_prompt_tokens if dep_stats is not None else None
         scaler = self._prefill.setdefault(key, PrefillScaler(self._kube))
+        name = gateway_name(dep)
+        if tokens is not None:
+            self._metrics.prefill_prompt_tokens.labels(name).set(tokens)
         try:
-            await scaler.tick(dep, tokens, time.monotonic())
+            decision = await scaler.tick(dep, tokens, time.monotonic())
         except KubeError as exc:
             log.warning("%s: cannot scale the prefill pool: %s", dep.name, exc)
+            self._metrics.errors.labels(name, "actuate").inc()
+            return
+        if decision is not None:
+            self._metrics.prefill_desired.labels(name).set(decision.desired)
+            if decision.desired != decision.current:
+                log.info("autoscaler %s: prefill replicas %d -> %d (%s)",
+                         name, decision.current, decision.desired, decision.reason)  # fmt: skip
 
     async def _report_adapters(
         self, deployments: list[LLMDeployment], stats: dict[str, DeploymentStats]

@@ -55,6 +55,19 @@ class AutoscalerMetrics:
             labels,
             registry=self.registry,
         )
+        self.prefill_desired = Gauge(
+            "servefleet_autoscaler_prefill_desired_replicas",
+            "Disaggregated: prefill replicas the last decision asked for.",
+            labels,
+            registry=self.registry,
+        )
+        self.prefill_prompt_tokens = Gauge(
+            "servefleet_autoscaler_prefill_prompt_tokens",
+            "Disaggregated: prompt tokens queued for and running on the prefill pool, as last "
+            "read (not updated while unknown).",
+            labels,
+            registry=self.registry,
+        )
         self.errors = Counter(
             "servefleet_autoscaler_errors",
             "Ticks that failed to observe or actuate.",
