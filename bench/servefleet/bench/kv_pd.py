@@ -139,7 +139,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(list(xs), [r["arm"] for r in runs])
     ax.set_ylabel("inter-token latency of decoding streams (ms)")
-    ax.set_title("long prompts arriving while streams decode (2 engines x 1 thread)")
+    ax.set_title("long prompts arriving while streams decode (2 x 1 thread)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -6,7 +6,7 @@ prompt goes P/D: the gateway sends it to the decode engine with `remote_prefill`
 engine has the prefill engine compute and stream the blocks, then decodes. The stream must be
 token-identical to the same request served colocated (the decode engine alone), greedy; and a
 short prompt stays colocated. About a minute here:
-    uv run pytest e2e/test_local_pd.py -s
+    uv run pytest e2e/test_pd_processes.py -s
 """
 
 from __future__ import annotations
