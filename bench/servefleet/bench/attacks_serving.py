@@ -248,7 +248,8 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
 
     Whoever finds an engine's address gets nothing from it without the engine key (KV blocks
     neither read nor planted); the gateway's tenant port has no adapter control path at all,
-    and refuses `kv_transfer_params` (a pull to an address of the tenant's choosing)."""
+    and refuses `kv_transfer_params` (a pull to an address of the tenant's choosing, or a
+    prefill engine of its choosing)."""
     engine = stack.engines[0].url
     chat = payloads.chat("hi", max_tokens=2)
     calls: dict[str, tuple[str, str, dict[str, object] | None]] = {
@@ -259,6 +260,7 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "load adapter": ("POST", LOAD_ADAPTER, {"lora_name": "evil", "lora_path": "/etc"}),
         "kv info": ("GET", INFO_PATH, None),
         "kv export": ("POST", EXPORT_PATH, {"hashes": ["0" * 32]}),
+        "kv prefill": ("POST", EXPORT_PATH, {"prompt_token_ids": [1] * 64, "compute": True}),
         "kv import": ("POST", IMPORT_PATH, None),
         "kv hot": ("GET", HOT_PATH, None),
         "kv warm": ("POST", WARM_PATH, {"sources": ["http://127.0.0.1:9"]}),
@@ -274,6 +276,14 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         result,
         "kv pull via gateway",
         lambda: stack.post("/v1/chat/completions", pull.encode()),
+        (400,),
+        param="kv_transfer_params",
+    )
+    remote = {**chat, "kv_transfer_params": {"remote_prefill": "http://127.0.0.1:9"}}
+    _refused(
+        result,
+        "remote prefill via gateway",
+        lambda: stack.post("/v1/chat/completions", json.dumps(remote).encode()),
         (400,),
         param="kv_transfer_params",
     )
