@@ -116,8 +116,8 @@ def test_warm_sources_and_bodies_are_checked(pair: Pair) -> None:
     r = httpx.post(b_url + WARM_PATH, json={"sources": [], "extra": 1}, headers=AUTH)
     assert r.status_code == 400
     assert _ready(b_url) == (503, WARMING_DETAIL)  # nothing accepted: still warming
-    assert httpx.get(a_url + HOT_PATH).status_code == 401
-    assert httpx.get(a_url + HOT_PATH, headers=AUTH).status_code == 200
+    assert httpx.post(a_url + HOT_PATH, json={}).status_code == 401
+    assert httpx.post(a_url + HOT_PATH, json={}, headers=AUTH).status_code == 200
     r = httpx.post(a_url + HOT_PATH, json={"max_blocks": 0}, headers=AUTH)
     assert r.status_code == 400
     b.state.kv_warm = None

@@ -260,7 +260,7 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "kv info": ("GET", INFO_PATH, None),
         "kv export": ("POST", EXPORT_PATH, {"hashes": ["0" * 32]}),
         "kv import": ("POST", IMPORT_PATH, None),
-        "kv hot": ("GET", HOT_PATH, None),
+        "kv hot": ("POST", HOT_PATH, {}),
         "kv warm": ("POST", WARM_PATH, {"sources": ["http://127.0.0.1:9"]}),
     }
     headers = stack.tenant_headers(ATTACKER)
