@@ -17,7 +17,7 @@ from servefleet.api.stream_resume import KV_TRANSFER_PARAMS, RESUME_TOKEN_IDS
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.kv_pull import failover_pull_params, failover_sources
-from servefleet.gateway.pool import DeploymentPool, Lease
+from servefleet.gateway.pool import Lease
 from servefleet.gateway.routing import ReplicaSet
 from tests.support.gateway_rig import served_gateway
 from tests.test_gateway_failover import TOKENS, Rig, stream, text_of, whole

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -25,7 +26,8 @@ from servefleet.api.kv_warm import WARM_PATH, WARMING_DETAIL
 from servefleet.bench.fake_upstream import FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.kv_warm import warm_sources
+from servefleet.gateway.kv_warm import WarmAsker, warm_sources
+from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.routing import ReplicaSet
 from tests.test_gateway_probes import states, tenant, wait_until
 
@@ -112,3 +114,21 @@ def test_sources_are_ready_others_least_busy_first_and_capped() -> None:
     got = warm_sources(replicas, replicas.replicas[urls[1]])
     assert got == [urls[4], urls[5], urls[6], urls[2]]
     assert warm_sources(replicas, replicas.replicas[urls[0]])[:1] == [urls[1]]
+
+
+async def test_each_replica_object_is_asked_once() -> None:
+    """A second probe answer while the warm runs asks nothing; a restarted replica (a new
+    object on the same endpoint) is asked again."""
+    engine = WarmingEngine()
+    config = GatewayDeployment(name="d", model="m", tenants=[TenantAccess(name="a")])
+    pool = DeploymentPool(config, RoutingConfig())
+    pool.set_replicas(["http://127.0.0.1:1"], ready=[])
+    (replica,) = pool.replicas.replicas.values()
+    asker = WarmAsker()
+    transport = httpx.ASGITransport(app=engine.app)
+    async with httpx.AsyncClient(transport=transport) as client:
+        assert asker.ask(client, pool, replica)
+        assert not asker.ask(client, pool, replica)
+        asker.forget_gone([])
+        assert asker.ask(client, pool, replica)
+        await asker.close()

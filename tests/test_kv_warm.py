@@ -9,6 +9,7 @@ once; every path needs the engine key and sources inside --kv-peer-networks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -116,8 +117,20 @@ def test_warm_sources_and_bodies_are_checked(pair: Pair) -> None:
     r = httpx.post(b_url + WARM_PATH, json={"sources": [], "extra": 1}, headers=AUTH)
     assert r.status_code == 400
     assert _ready(b_url) == (503, WARMING_DETAIL)  # nothing accepted: still warming
-    assert httpx.get(a_url + HOT_PATH).status_code == 401
-    assert httpx.get(a_url + HOT_PATH, headers=AUTH).status_code == 200
+    assert httpx.post(a_url + HOT_PATH, json={}).status_code == 401
+    assert httpx.post(a_url + HOT_PATH, json={}, headers=AUTH).status_code == 200
     r = httpx.post(a_url + HOT_PATH, json={"max_blocks": 0}, headers=AUTH)
     assert r.status_code == 400
     b.state.kv_warm = None
+
+
+def test_the_gate_ends_at_its_bound_or_when_a_warm_finishes() -> None:
+    gate = WarmGate(10.0, opened_at=100.0)
+    assert gate.warming(105.0)
+    assert not gate.warming(110.0) and not gate.warming(105.0)  # timed out: for good
+    gate = WarmGate(10.0, opened_at=time.monotonic())
+    gate.begin(60.0)  # a warm under way holds it past the bound, up to its own deadline
+    assert gate.warming(gate.opened_at + 30.0)
+    assert not gate.warming(gate.opened_at + 61.0)
+    gate.finish()
+    assert not gate.warming()

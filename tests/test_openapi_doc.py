@@ -14,6 +14,7 @@ from openapi_spec_validator import validate
 from pydantic import BaseModel
 
 from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH, LOOKUP_PATH
+from servefleet.api.kv_warm import HOT_PATH, WARM_PATH
 from servefleet.api.openai_requests import REFUSED_FIELDS
 from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
 from servefleet.engine.server import build_app
@@ -71,8 +72,9 @@ def test_the_full_document_is_valid_openapi() -> None:
 def test_every_request_model_field_is_documented() -> None:
     schemas = openapi_document("t", OPERATIONS)["components"]["schemas"]
     bodies = [op.body for op in OPERATIONS.values() if op.body is not None]
-    # five OpenAI-shaped requests, the two adapter control bodies, KV lookup and export
-    assert len(bodies) == 9
+    # five OpenAI-shaped requests, the two adapter control bodies, KV lookup and export,
+    # KV hot and warm
+    assert len(bodies) == 11
     models: set[type[BaseModel]] = set()
     for body in bodies:
         _models_used(body, models)
@@ -143,7 +145,7 @@ def test_the_gateway_documents_its_tenant_port() -> None:
     # adapters are loaded on engines by the platform, never through the tenant port; KV
     # blocks move between engines only
     engine_only = {"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
-    engine_only |= {INFO_PATH, LOOKUP_PATH, EXPORT_PATH, IMPORT_PATH}
+    engine_only |= {INFO_PATH, LOOKUP_PATH, EXPORT_PATH, IMPORT_PATH, HOT_PATH, WARM_PATH}
     assert set(document["paths"]) == set(OPERATIONS) - engine_only
     for path in ("/tokenize", "/v1/models", "/v1/chat/completions"):
         assert next(iter(document["paths"][path].values()))["security"] == [{"bearerKey": []}]

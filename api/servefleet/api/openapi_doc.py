@@ -26,6 +26,7 @@ from servefleet.api.kv_transfer import (
     MEDIA_TYPE,
     KVHashesRequest,
 )
+from servefleet.api.kv_warm import HOT_PATH, WARM_PATH, KVHotRequest, KVWarmRequest
 from servefleet.api.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from servefleet.api.openai_requests import (
     REFUSED_FIELDS,
@@ -105,6 +106,8 @@ OPERATIONS: dict[str, Operation] = {
         "post", "Stream the cached leading KV blocks", KVHashesRequest, media_type=MEDIA_TYPE
     ),
     IMPORT_PATH: Operation("post", f"Import a pushed {MEDIA_TYPE} stream of KV blocks"),
+    HOT_PATH: Operation("post", "This cache's hottest KV block chains", KVHotRequest),
+    WARM_PATH: Operation("post", "Pull peers' hottest KV chains, then be ready", KVWarmRequest),
     "/health": Operation("get", "Liveness", probe=True),
     "/ready": Operation("get", "Readiness", probe=True),
     "/metrics": Operation("get", "Prometheus metrics", media_type=PROMETHEUS_TEXT),

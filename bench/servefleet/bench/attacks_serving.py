@@ -262,7 +262,7 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "kv export": ("POST", EXPORT_PATH, {"hashes": ["0" * 32]}),
         "kv prefill": ("POST", EXPORT_PATH, {"prompt_token_ids": [1] * 64, "compute": True}),
         "kv import": ("POST", IMPORT_PATH, None),
-        "kv hot": ("GET", HOT_PATH, None),
+        "kv hot": ("POST", HOT_PATH, {}),
         "kv warm": ("POST", WARM_PATH, {"sources": ["http://127.0.0.1:9"]}),
     }
     headers = stack.tenant_headers(ATTACKER)

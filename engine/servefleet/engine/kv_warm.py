@@ -155,21 +155,18 @@ async def warm(state: ServingState, store: KVStore, body: KVWarmRequest) -> KVWa
 
 
 def add_kv_warm_routes(app: FastAPI, state: ServingState) -> None:
-    """`hot` (GET: the default budget; POST: a KVHotRequest) and `warm`, behind the key."""
+    """`hot` and `warm`, behind the engine key (neither is in `api_key.OPEN_PATHS`)."""
 
+    @app.post(HOT_PATH)
     async def hot(request: Request) -> KVHotList:
         store = _store(state)
         sent = request.headers.get(FINGERPRINT_HEADER)
         if sent is not None and sent != store.fingerprint:
             raise fingerprint_mismatch()
-        body = KVHotRequest()
-        if request.method == "POST":
-            body = await parse(request, KVHotRequest, MAX_LOOKUP_BODY_BYTES)
+        body = await parse(request, KVHotRequest, MAX_LOOKUP_BODY_BYTES)
         fn = partial(hot_chains, store.kv.pool, body.max_blocks, body.max_chains)
         chains = await state.engine.call(fn)
         return KVHotList(chains=[KVHotChain(hashes=[hash_hex(h) for h in c]) for c in chains])
-
-    app.add_api_route(HOT_PATH, hot, methods=["GET", "POST"])
 
     @app.post(WARM_PATH)
     async def warm_route(request: Request) -> KVWarmResult:
