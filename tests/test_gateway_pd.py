@@ -140,3 +140,40 @@ def test_prefill_pools_are_probed_and_watched_with_their_pool() -> None:
         r = rig(s, "servefleet")
         names = [p.name for p in with_prefill(r.gateway.pools.values())]
         assert names == ["d", "d-prefill"]
+
+
+def test_prefill_pool_demand_is_reported_for_its_autoscaler(stack: ExitStack) -> None:
+    """The prefill pool's signal in the stats the autoscaler reads: prompt tokens on its
+    replicas, and those that found no prefill replica with room (prefilled on a decode
+    replica instead); both back to zero once the requests end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from servefleet.api.llmdeployment import PoolSpec
+
+    p = FakeOpenAI(FakeBehaviour(completion_tokens=4))
+    d = FakeOpenAI(FakeBehaviour(completion_tokens=4, first_token_delay_s=1.5))
+    p_url, d_url = stack.enter_context(serve_in_thread(p)), stack.enter_context(serve_in_thread(d))
+    one_slot = PoolSpec(per_replica_concurrency=1)
+    prefill = PrefillRouting(endpoints=[p_url], threshold=100, pool=one_slot)
+    gateway, base = served_gateway(stack, [d_url], prefill=prefill, kv_pull_min_tokens=None)
+    pool = gateway.pools["d"]
+    assert pool.prefill is not None
+    deadline = time.monotonic() + 10
+    while not pool.prefill.replicas.ready_count(pool.now()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = Rig(gateway, base, p, d)
+    assert pool.stats().prefill_prompt_tokens == 0
+    with ThreadPoolExecutor(2) as workers:
+        answers = [workers.submit(complete, r, LONG) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while pool.in_flight < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = pool.stats()
+        assert [a.result().status_code for a in answers] == [200, 200]
+    running, queued = stats.prefill_prompt_tokens_running, stats.prefill_prompt_tokens_queued
+    assert running is not None and queued is not None
+    assert running >= 100 and queued >= 100  # one prompt on the prefill replica, one overflowed
+    assert len(stats.prefill) == 1
+    after = pool.stats()
+    assert (after.prefill_prompt_tokens_running, after.prefill_prompt_tokens_queued) == (0, 0)
+    assert r.pd_decisions() == 1

@@ -15,7 +15,7 @@ from servefleet.gateway.asgi import Headers
 from servefleet.gateway.proxy import Usage
 
 if TYPE_CHECKING:
-    from servefleet.gateway.pd_pool import PrefillLease
+    from servefleet.gateway.pd_pool import PrefillLease, PrefillOverflow
     from servefleet.gateway.pool_types import Placement
     from servefleet.gateway.route_table import TenantRoute
     from servefleet.gateway.stream_splice import StreamSplice
@@ -46,6 +46,7 @@ class Call:
     request_id: str = ""  # the gateway's id, sent upstream and named in its log lines
     timed_out: bool = False  # the last replica's answer stopped for `upstream_timeout_seconds`
     prefill: PrefillLease | None = None  # disaggregated P/D: the prefill replica (`pd`)
+    prefill_overflow: PrefillOverflow | None = None  # P/D: no prefill replica had room
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""

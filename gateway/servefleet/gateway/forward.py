@@ -153,6 +153,8 @@ class Forwarder:
         finally:
             if call.prefill is not None:
                 call.prefill.release()
+            if call.prefill_overflow is not None:
+                call.prefill_overflow.release()
         if call.timed_out and await is_poisoned(self._upstream, call, replica):
             return None, poisoned_error(call)
         return response, failure

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from servefleet.api.kv_transfer import MAX_DEADLINE_S
 from servefleet.api.stream_resume import KV_TRANSFER_PARAMS
-from servefleet.gateway.pd_pool import PrefillLease
+from servefleet.gateway.pd_pool import PrefillLease, PrefillOverflow
 from servefleet.gateway.upstream import UpstreamError, UpstreamPool
 
 if TYPE_CHECKING:
@@ -61,7 +61,8 @@ def with_prefill(pools: Iterable[DeploymentPool]) -> list[DeploymentPool]:
 def pick_prefill(pool: DeploymentPool, call: Call) -> PrefillLease | None:
     """A prefill replica for `call` when it goes disaggregated: a generation request whose
     prompt reaches the threshold, and a ready prefill replica with room (least queued
-    prompt tokens first); else None, and the decode replica prefills itself."""
+    prompt tokens first); else None, and the decode replica prefills itself (counted as the
+    prefill pool's unmet demand while it runs, when the prompt reached the threshold)."""
     prefill, settings = pool.prefill, pool.config.prefill
     if prefill is None or settings is None or call.path not in GENERATION_PATHS:
         return None
@@ -70,6 +71,8 @@ def pick_prefill(pool: DeploymentPool, call: Call) -> PrefillLease | None:
     now = prefill.now()
     ready = [r for r in prefill.replicas.replicas.values() if r.routable(now) and r.has_room()]
     if not ready:
+        pool.prefill_overflow.value += call.prompt_tokens
+        call.prefill_overflow = PrefillOverflow(pool.prefill_overflow, call.prompt_tokens)
         return None
     replica = min(ready, key=lambda r: (r.outstanding_tokens, r.outstanding))
     prefill.replicas.acquire(replica, call.prompt_tokens)

@@ -24,7 +24,7 @@ from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
-from servefleet.gateway.pd_pool import prefill_deployment
+from servefleet.gateway.pd_pool import PromptTokenGauge, prefill_deployment, prefill_stats
 from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
 from servefleet.gateway.pool_types import Lease, Placement, PoolRequest, Shed, Spill
 from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
@@ -87,6 +87,7 @@ class DeploymentPool:
         self.adapter_loads = AdapterLoads(clock)
         prefill = prefill_deployment(config)  # disaggregated P/D: the prefill pool (`pd`)
         self.prefill = DeploymentPool(prefill, routing, clock=clock) if prefill else None
+        self.prefill_overflow = PromptTokenGauge()
         self.set_replicas(config.endpoints)
 
     def now(self) -> float:
@@ -423,4 +424,5 @@ class DeploymentPool:
             ready_replicas=self.replicas.ready_count(now),
             replicas=self.replicas.stats(),
             adapter_load_errors=self.adapter_loads.errors(),
+            **prefill_stats(self.prefill.replicas if self.prefill else None, self.prefill_overflow),
         )
