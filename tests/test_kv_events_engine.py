@@ -137,3 +137,24 @@ def test_blocks_are_announced_only_after_the_step_that_wrote_them(
     assert not first_pending & first_logged, "announced before its KV was written"
     logged = {h for b in engine.kv_events.ring for h, _ in b.stored}
     assert first_pending <= logged
+
+
+def test_the_gateway_hashes_a_chat_prompt_as_the_engine_caches_it(
+    served: tuple[BuiltEngine, str],
+) -> None:
+    from servefleet.gateway.token_counter import load_token_counter
+
+    _, url = served
+    messages = [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Name three rivers of Europe and say where they end. " * 4},
+    ]
+    counted = load_token_counter(MODEL).chat_counted(messages, 16)
+    assert counted is not None and len(counted.block_hashes) >= 4
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
+    resp = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == counted.tokens
+    (_, _, _), (_, _, snap) = read_events(url, 2)
+    held = {s[0] for s in snap["stored"]}
+    assert {hash_hex(h) for h in counted.block_hashes} <= held

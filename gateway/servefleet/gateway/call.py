@@ -44,6 +44,7 @@ class Call:
     splice: StreamSplice | None = None  # a stream that may be continued on another replica
     request_id: str = ""  # the gateway's id, sent upstream and named in its log lines
     timed_out: bool = False  # the last replica's answer stopped for `upstream_timeout_seconds`
+    block_hashes: tuple[int, ...] = ()  # the prompt's exact KV block hashes (routing by contents)
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""
