@@ -38,8 +38,8 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024
 ROUTE_DECISIONS_METRIC = "servefleet_gateway_kv_route_decisions_total"
 """Requests routed by cache contents, by `decision`: `go_to_holder` (the replica holding the
 longest prefix), `pull` (another replica, which pulls the prefix from the holder),
-`recompute` (another replica, which recomputes it), `local` (no block hashes or no known
-holder: the prompt-affinity rule)."""
+`recompute` (another replica, which recomputes it), `local` (the prompt was hashed but no
+replica is known to hold its first block: the prompt-affinity rule decides)."""
 DECISION_LABEL = "decision"
 DECISIONS = ("local", "pull", "go_to_holder", "recompute")
 INDEX_BLOCKS_METRIC = "servefleet_gateway_kv_index_blocks"

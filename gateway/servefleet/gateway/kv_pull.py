@@ -30,5 +30,8 @@ def kv_pull_params(config: GatewayDeployment, lease: Lease, prompt_tokens: int) 
     least = config.kv_pull_min_tokens
     if lease.kv_source is None or least is None or prompt_tokens < least:
         return {}
-    params = {"kv_sources": [lease.kv_source], "deadline_s": config.kv_pull_deadline_seconds}
+    deadline = config.kv_pull_deadline_seconds
+    if lease.kv_deadline_s is not None:  # the cost model's: half the recompute time it saves
+        deadline = min(deadline, max(0.1, lease.kv_deadline_s))
+    params = {"kv_sources": [lease.kv_source], "deadline_s": deadline}
     return {KV_TRANSFER_PARAMS: params}
