@@ -14,9 +14,10 @@ the engine's EWMA; `DEFAULT_PROMPT_TPS` until one is measured), B its KV bytes p
 rtt `PULL_RTT_S`. The pull overlaps r's own queue wait. The cheapest option wins; ties go to
 the holder. A pull must move at least `MIN_PULL_BLOCKS` blocks and save at least
 max(`MIN_GAIN_S`, half the recompute time of the pulled tokens): a guess that is wrong by
-less than that is not worth a transfer. Its deadline is half the recompute time it saves,
-so a slow pull costs at most that. The engine has the last word: it checks its own cache
-and recomputes whatever the pull does not bring by the deadline.
+less than that is not worth a transfer. Its deadline is half the recompute time it saves
+(at least `MIN_PULL_DEADLINE_S`), so a slow pull costs at most that. The engine has the
+last word: it checks its own cache and recomputes whatever the pull does not bring by the
+deadline.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ DEFAULT_PULL_BPS = 200e6  # loopback / pod network over HTTP, roughly
 PULL_RTT_S = 0.01
 MIN_PULL_BLOCKS = 4
 MIN_GAIN_S = 0.05
+MIN_PULL_DEADLINE_S = 0.25  # below this a pull's connection setup alone may not fit
 
 Decision = Literal["local", "pull", "go_to_holder", "recompute"]
 
@@ -101,7 +103,8 @@ def choose(
         pull = max(q, transfer) + max(0, n - top) / c.prompt_tps
         saved_compute = missing / c.prompt_tps
         if recompute - pull >= max(MIN_GAIN_S, 0.5 * saved_compute):
-            options.append(Option(r, pull, "pull", holder, 0.5 * saved_compute))
+            deadline = max(MIN_PULL_DEADLINE_S, 0.5 * saved_compute)
+            options.append(Option(r, pull, "pull", holder, deadline))
     order = {"go_to_holder": 0, "pull": 1, "recompute": 2, "local": 3}
     return min(
         options,

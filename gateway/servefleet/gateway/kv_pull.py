@@ -32,6 +32,6 @@ def kv_pull_params(config: GatewayDeployment, lease: Lease, prompt_tokens: int) 
         return {}
     deadline = config.kv_pull_deadline_seconds
     if lease.kv_deadline_s is not None:  # the cost model's: half the recompute time it saves
-        deadline = min(deadline, max(0.1, lease.kv_deadline_s))
+        deadline = min(deadline, lease.kv_deadline_s)
     params = {"kv_sources": [lease.kv_source], "deadline_s": deadline}
     return {KV_TRANSFER_PARAMS: params}
