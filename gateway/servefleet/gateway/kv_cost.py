@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.gateway_stats import ReplicaHealth
 from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.routing import Replica
@@ -117,11 +118,10 @@ def route_by_contents(
     index: KVIndex,
     hashes: tuple[int, ...],
     now: float,
-    *,
-    block_size: int,
-    pull_min_tokens: int | None,
+    config: GatewayDeployment,
 ) -> Option | None:
     """`choose` over a pool's routable replicas for a prompt of these block hashes."""
+    block_size, pull_min_tokens = config.block_size, config.kv_pull_min_tokens
     if not hashes or not index.per_replica:
         return None
     runs = index.held_runs(hashes)

@@ -13,6 +13,11 @@ only the leading blocks it lacks that the source holds, and recomputes whatever 
 by the deadline, so a wrong guess costs at most one round trip (a lookup that finds
 nothing) and a slow source at most the deadline. vLLM and SGLang engines are sent nothing
 (`kv_pull_min_tokens` is null for them).
+
+When the gateway knows the real cache contents (`kv_index`, from the engines' KV events) and
+the prompt's exact block hashes, the cost model (`kv_cost`) picks the replica instead, and
+names the holder as the source only when it predicts the pull beats both recomputing and
+waiting for the holder; its deadline is then the model's (half the recompute time saved).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
 from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
-from servefleet.gateway.kv_cost import Decision, Option, route_by_contents
+from servefleet.gateway.kv_cost import Decision, route_by_contents
 from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
 from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
@@ -239,24 +239,13 @@ class DeploymentPool:
         )
         return decide(view, self.config.admission.max_queue_wait, rule)
 
-    def _by_contents(self, hashes: tuple[int, ...], now: float) -> Option | None:
-        """The cost model's choice when the index knows who holds the prompt's blocks
-        (`kv_cost`); None: the affinity rule decides. Counted either way."""
-        config = self.config
-        option = route_by_contents(
-            self.replicas.replicas.values(),
-            self.kv_index,
-            hashes,
-            now,
-            block_size=config.block_size,
-            pull_min_tokens=config.kv_pull_min_tokens,
-        )
-        decision: Decision = "local" if option is None else option.decision
-        self.kv_decisions[decision] = self.kv_decisions.get(decision, 0) + 1
-        return option
-
     def _lease_by_contents(self, hashes: tuple[int, ...], tokens: int, now: float) -> Lease | None:
-        option = self._by_contents(hashes, now) if hashes else None
+        """A lease where the cost model sends a hashed prompt (`kv_cost`); None: the
+        affinity rule decides."""
+        replicas = self.replicas.replicas.values()
+        option = route_by_contents(replicas, self.kv_index, hashes, now, self.config)
+        decision: Decision = option.decision if option else "local"
+        self.kv_decisions[decision] = self.kv_decisions.get(decision, 0) + 1
         if option is None:
             return None
         self.replicas.acquire(option.replica, tokens)
