@@ -80,7 +80,8 @@ def apply_event(index: KVIndex, endpoint: str, event: str, data: str) -> None:
 async def follow(
     client: httpx.AsyncClient, endpoint: str, index: KVIndex, headers: dict[str, str]
 ) -> None:
-    """One replica's stream, until cancelled."""
+    """One replica's stream, until cancelled; returns when the replica has no event stream
+    (404: an engine that publishes none), and is then not asked again while it stays."""
     last_id: str | None = None
     failures = 0
     while True:
@@ -88,6 +89,9 @@ async def follow(
         try:
             sent = {**headers, **({"last-event-id": last_id} if last_id else {})}
             async with client.stream("GET", endpoint + EVENTS_PATH, headers=sent) as resp:
+                if resp.status_code == 404:
+                    index.drop(endpoint)
+                    return
                 if resp.status_code != 200:
                     raise StreamBroken(f"status {resp.status_code}")
                 opened, failures = True, 0
@@ -122,7 +126,7 @@ class KVSubscriber:
             self.pool.kv_index.drop(endpoint)
         for endpoint in wanted:
             task = self.tasks.get(endpoint)
-            if task is None or task.done():
+            if task is None or (task.done() and (task.cancelled() or task.exception())):
                 follower = follow(client, endpoint, self.pool.kv_index, self._headers())
                 self.tasks[endpoint] = asyncio.create_task(follower, name=f"kv-{endpoint}")
         self.pool.kv_index.keep_only(wanted)
