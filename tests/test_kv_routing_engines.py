@@ -10,14 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
-from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig
+from servefleet.api.gateway_config import (
+    ApiKeyRef,
+    GatewayConfig,
+    GatewayDeployment,
+    GatewayTenant,
+    RoutingConfig,
+    SecretValueRef,
+    TenantAccess,
+    hash_api_key,
+)
+from servefleet.bench.processes import serve_in_thread as serve_app
+from servefleet.gateway.app import Gateway
 from servefleet.gateway.kv_pull import kv_pull_params
 from servefleet.gateway.kv_subscriber import KVSubscriber
 from servefleet.gateway.pool import DeploymentPool, Lease, PoolRequest
@@ -102,3 +115,47 @@ async def test_a_busy_holders_prefix_is_pulled_by_the_idle_replica(urls: tuple[s
     finally:
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
+
+
+def test_the_gateway_hashes_prompts_and_sends_them_to_their_holder(urls: tuple[str, str]) -> None:
+    """Through the gateway's HTTP path: counted and hashed at admission, routed by contents."""
+    a, b = urls
+    config = GatewayConfig(
+        tenants=[GatewayTenant(name="t", api_keys=[ApiKeyRef(sha256=hash_api_key("key-t"))])],
+        deployments=[
+            GatewayDeployment(
+                name="m", model=MODEL, tenants=[TenantAccess(name="t")], tokenizer=MODEL,
+                engine_api_key=SecretValueRef(value=SecretStr(KEY)),
+            )
+        ],
+    )  # fmt: skip
+    gateway = Gateway(config)
+    gateway.set_replicas("m", [a, b], ready=[a, b])
+    pool = gateway.pools["m"]
+    prompt = PROMPT.replace("orchard", "vineyard")  # not cached anywhere yet
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    counted = load_token_counter(MODEL).completion_counted(prompt, 16)
+    assert counted is not None
+    hashes = counted.block_hashes
+    with serve_app(gateway) as base:
+        deadline = time.monotonic() + 60
+        while pool.token_counter is None or len(pool.kv_index.per_replica) < 2:
+            assert time.monotonic() < deadline, "tokenizer or event streams not ready"
+            time.sleep(0.05)
+
+        def ask() -> dict[str, Any]:
+            headers = {"authorization": "Bearer key-t"}
+            reply = httpx.post(base + "/v1/completions", headers=headers, json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            return dict(reply.json())
+
+        ask()
+        assert pool.kv_decisions == {"local": 1}  # hashed; nobody held it yet
+        while not pool.kv_index.held_runs(hashes):
+            assert time.monotonic() < deadline, "the holder's events never arrived"
+            time.sleep(0.05)
+        (holder,) = pool.kv_index.held_runs(hashes)
+        second = ask()
+    assert pool.kv_decisions == {"local": 1, "go_to_holder": 1}
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(hashes) * 16 - 16
+    assert holder in (a, b)
