@@ -18,6 +18,7 @@ from functools import partial
 import httpx
 import psutil
 
+from servefleet.api.kv_events import EVENTS_PATH
 from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH
 from servefleet.bench import attack_payloads as payloads
 from servefleet.bench.attack_common import AttackResult, timed
@@ -242,8 +243,9 @@ LOAD_ADAPTER = "/v1/load_lora_adapter"
 
 
 def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
-    """A tenant calls an engine directly: chat, tokenize, detokenize, models, KV transfer,
-    and loads a LoRA adapter from a path of its choosing, there and through the gateway.
+    """A tenant calls an engine directly: chat, tokenize, detokenize, models, KV transfer and
+    KV cache events, and loads a LoRA adapter from a path of its choosing, there and through
+    the gateway.
 
     Whoever finds an engine's address gets nothing from it without the engine key (KV blocks
     neither read nor planted); the gateway's tenant port has no adapter control path at all,
@@ -259,6 +261,7 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "kv info": ("GET", INFO_PATH, None),
         "kv export": ("POST", EXPORT_PATH, {"hashes": ["0" * 32]}),
         "kv import": ("POST", IMPORT_PATH, None),
+        "kv events": ("GET", EVENTS_PATH, None),  # which prefixes the replica caches
     }
     headers = stack.tenant_headers(ATTACKER)
     for label, (method, path, body) in calls.items():
