@@ -136,7 +136,10 @@ class KVSubscriber:
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             try:
                 while True:
-                    self.sync(client)
+                    try:
+                        self.sync(client)
+                    except Exception:  # an unreadable engine key file: try again next round
+                        log.exception("following KV events of %s failed", self.pool.name)
                     await asyncio.sleep(interval_s)
             finally:
                 tasks = list(self.tasks.values())
