@@ -161,3 +161,22 @@ async def test_a_request_without_hashes_keeps_the_affinity_rule() -> None:
     lease = await pool.acquire(request)
     assert isinstance(lease, Lease) and lease.kv_deadline_s is None
     assert "pull" not in pool.kv_decisions
+
+
+def test_the_gateway_exposes_decisions_and_index_size() -> None:
+    from servefleet.api.gateway_config import ApiKeyRef, GatewayConfig, GatewayTenant, hash_api_key
+    from servefleet.gateway.app import Gateway
+
+    tenant = GatewayTenant(name="t", api_keys=[ApiKeyRef(sha256=hash_api_key("k"))])
+    config = GatewayConfig(tenants=[tenant], deployments=[_pool().config])
+    gateway = Gateway(config)
+    pool = gateway.pools["d"]
+    pool.kv_decisions["pull"] = 3
+    pool.kv_index.hello(A, hello())
+    pool.kv_index.snapshot(A, snap(HASHES[:5]))
+    text = gateway.render_metrics().decode()
+    assert (
+        'servefleet_gateway_kv_route_decisions_total{decision="pull",deployment="d",model="m"} 3.0'
+        in text
+    )
+    assert 'servefleet_gateway_kv_index_blocks{deployment="d",model="m"} 5.0' in text
