@@ -92,6 +92,14 @@ def test_the_cost_model_decision_table() -> None:
     assert (got.replica, got.source) == (idle_other, busy_holder)
     assert got.deadline_s is not None and 0.25 <= got.deadline_s < n / DEFAULT_PROMPT_TPS
 
+    # The same busy holder, but its steps take 2 s: each export window waits for them, so
+    # recomputing on the idle replica beats pulling.
+    slow = {e: c.__class__(c.held_tokens, c.prompt_tps, c.bytes_per_token, c.pull_bps, 2.0)
+            for e, c in _costs({A: 40}).items()}  # fmt: skip
+    got = choose([busy_holder, idle_other], [busy_holder, idle_other], slow, n,
+                 block_size=16, may_pull=True)  # fmt: skip
+    assert got is not None and (got.replica, got.decision) == (idle_other, "recompute")
+
     got = choose([busy_holder, idle_other], [busy_holder, idle_other], _costs({A: 40}), n,
                  block_size=16, may_pull=False)  # fmt: skip
     assert got is not None and (got.replica, got.decision) == (idle_other, "recompute")

@@ -72,6 +72,7 @@ class KVHello(_Message):
     bytes_per_token: int = Field(default=0, ge=0)
     prompt_tokens_per_second: float = Field(default=0.0, ge=0)  # measured; 0 = not yet
     pull_bytes_per_second: float = Field(default=0.0, ge=0)  # measured; 0 = no pull yet
+    step_seconds: float = Field(default=0.0, ge=0)  # a step's time (EWMA): an export's wait
 
 
 class KVSnapshot(_Message):
@@ -91,3 +92,4 @@ class KVEventBatch(_Message):
     cleared: bool = False
     prompt_tokens_per_second: float = Field(default=0.0, ge=0)
     pull_bytes_per_second: float = Field(default=0.0, ge=0)
+    step_seconds: float = Field(default=0.0, ge=0)

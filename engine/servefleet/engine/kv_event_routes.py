@@ -60,6 +60,7 @@ def _rates(state: ServingState) -> dict[str, float]:
     return {
         "prompt_tokens_per_second": state.engine.prompt_rate.value,
         "pull_bytes_per_second": store.pull_rate.value if store is not None else 0.0,
+        "step_seconds": state.engine.step_time.value,
     }
 
 

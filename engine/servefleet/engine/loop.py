@@ -138,6 +138,7 @@ class Engine:
         self.num_in_flight = 0  # requests submitted and not yet finished (asyncio side)
         self.num_in_flight_seqs = 0  # their sequences (n per request)
         self.prompt_rate = Ewma(0.0)  # tokens/s of steps of PROMPT_RATE_TOKENS+ (kv_puller)
+        self.step_time = Ewma(0.0)  # seconds a step takes: how long an Engine.call may wait
         # KV cache events: the pool records, the loop publishes only what has been written.
         self.kv_events = KVEventLog()
         self._kv_sink = KVEventSink()
@@ -336,6 +337,7 @@ class Engine:
         now = time.monotonic()
         self.in_step_since = None
         self.metrics.step_seconds.observe(now - started)
+        self.step_time.update(now - started)
         self.metrics.step_tokens.observe(out.num_batched_tokens)
         if out.num_batched_tokens >= PROMPT_RATE_TOKENS:
             self.prompt_rate.update(out.num_batched_tokens / max(now - started, 1e-6))

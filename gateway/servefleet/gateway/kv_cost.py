@@ -5,13 +5,16 @@ For each replica r with room, with `h_r` tokens of the prompt's leading blocks c
 to the first token of each option is:
 
     recompute(r) = q_r + (n - h_r) / tps_r               (go_to_holder when h_r = H)
-    pull(r, s)   = max(q_r, rtt + (H - h_r) * B / bw_s) + (n - H) / tps_r
+    pull(r, s)   = max(q_r, rtt + (H - h_r) * B / bw_s + wait_s) + (n - H) / tps_r
     q_r          = outstanding_tokens_r / tps_r          (the work queued ahead on r)
+    wait_s       = 2 * windows * step_s   when s is busy (0 when idle)
 
 n is the prompt's tokens, tps_r the replica's measured prompt tokens/s (its events carry
 the engine's EWMA; `DEFAULT_PROMPT_TPS` until one is measured), B its KV bytes per token
 (its hello), bw_s the pull bandwidth the engines measured (`DEFAULT_PULL_BPS` until then),
-rtt `PULL_RTT_S`. The pull overlaps r's own queue wait. The cheapest option wins; ties go to
+rtt `PULL_RTT_S`. A busy source pins and unpins each window of `WINDOW_BLOCKS` blocks only
+between two of its steps (`step_s`, its engine's EWMA), hence `wait_s`. The pull overlaps r's
+own queue wait. The cheapest option wins; ties go to
 the holder. A pull must move at least `MIN_PULL_BLOCKS` blocks and save at least
 max(`MIN_GAIN_S`, half the recompute time of the pulled tokens): a guess that is wrong by
 less than that is not worth a transfer. Its deadline is half the recompute time it saves
@@ -28,6 +31,7 @@ from typing import Literal
 
 from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.gateway_stats import ReplicaHealth
+from servefleet.api.kv_transfer import WINDOW_BLOCKS
 from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.routing import Replica
 
@@ -58,6 +62,7 @@ class ReplicaCost:
     prompt_tps: float
     bytes_per_token: int
     pull_bps: float
+    step_s: float = 0.0  # the replica's step time: a busy source's export waits for steps
 
 
 def replica_cost(index: KVIndex, replica: Replica, runs: dict[str, int], bs: int) -> ReplicaCost:
@@ -65,7 +70,8 @@ def replica_cost(index: KVIndex, replica: Replica, runs: dict[str, int], bs: int
     tps = cache.prompt_tps if cache is not None and cache.prompt_tps > 0 else DEFAULT_PROMPT_TPS
     bpt = cache.hello.bytes_per_token if cache is not None else 0
     bw = cache.pull_bps if cache is not None and cache.pull_bps > 0 else DEFAULT_PULL_BPS
-    return ReplicaCost(runs.get(replica.endpoint, 0) * bs, tps, bpt, bw)
+    step = cache.step_s if cache is not None else 0.0
+    return ReplicaCost(runs.get(replica.endpoint, 0) * bs, tps, bpt, bw, step)
 
 
 def choose(
@@ -100,7 +106,11 @@ def choose(
             continue
         if missing < MIN_PULL_BLOCKS * block_size:
             continue
-        transfer = PULL_RTT_S + missing * c.bytes_per_token / costs[holder.endpoint].pull_bps
+        source = costs[holder.endpoint]
+        transfer = PULL_RTT_S + missing * c.bytes_per_token / source.pull_bps
+        if holder.outstanding:  # it pins and unpins each window between its own steps
+            windows = -(-missing // (WINDOW_BLOCKS * block_size))
+            transfer += 2 * windows * source.step_s
         pull = max(q, transfer) + max(0, n - top) / c.prompt_tps
         saved_compute = missing / c.prompt_tps
         if recompute - pull >= max(MIN_GAIN_S, 0.5 * saved_compute):

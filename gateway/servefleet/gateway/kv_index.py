@@ -24,6 +24,7 @@ class ReplicaCache:
     hashes: set[int] = field(default_factory=set)
     prompt_tps: float = 0.0
     pull_bps: float = 0.0
+    step_s: float = 0.0
 
 
 class KVIndex:
@@ -53,6 +54,7 @@ class KVIndex:
         cache = self.per_replica[endpoint]
         cache.prompt_tps = hello.prompt_tokens_per_second or cache.prompt_tps
         cache.pull_bps = hello.pull_bytes_per_second or cache.pull_bps
+        cache.step_s = hello.step_seconds or cache.step_s
 
     def snapshot(self, endpoint: str, snap: KVSnapshot) -> None:
         cache = self.per_replica.get(endpoint)
@@ -72,6 +74,7 @@ class KVIndex:
         self._store(endpoint, cache, (h for h, _ in batch.stored))
         cache.prompt_tps = batch.prompt_tokens_per_second or cache.prompt_tps
         cache.pull_bps = batch.pull_bytes_per_second or cache.pull_bps
+        cache.step_s = batch.step_seconds or cache.step_s
 
     def drop(self, endpoint: str) -> None:
         cache = self.per_replica.pop(endpoint, None)
