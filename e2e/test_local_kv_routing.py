@@ -2,11 +2,10 @@
 
 A long prompt is served once (its blocks land on one replica, the holder). Then several
 long answers to the same prompt are asked at once: the first ones go to the holder, and once
-its queue is long enough the cost model sends the next to the idle replica, naming the holder
-as KV source, so that engine pulls the prompt's blocks instead of recomputing them (its log
-names the source; what it committed before the deadline is printed: on two shared cores a
-busy holder answers each export window only between its own steps, so many pulls run into
-their deadline and the rest is recomputed — the answers are identical either way).
+its queue is long enough the cost model sends the next to the idle replica, which pulls the
+prompt's blocks from the holder (its log names the source) or recomputes them, whichever the
+model predicts is sooner (on two shared cores, with the holder's step time counted, a
+624-token prompt is recomputed). The answers are identical either way.
 
 Run on its own (it loads the model in two processes):
     uv run pytest e2e/test_local_kv_routing.py -s
@@ -98,7 +97,7 @@ def _complete(base: str, key: str, max_tokens: int) -> dict:
     return dict(reply.json())
 
 
-def test_a_busy_holders_prefix_is_pulled_by_the_idle_replica(up: tuple, tmp_path: Path) -> None:
+def test_a_busy_holders_prefix_is_spread_to_the_idle_replica(up: tuple, tmp_path: Path) -> None:
     proc, base, key = up
     ports = _engine_ports(proc.pid)
     assert len(ports) == 2, ports
@@ -118,7 +117,8 @@ def test_a_busy_holders_prefix_is_pulled_by_the_idle_replica(up: tuple, tmp_path
     ]
     print("cached tokens per answer:", cached, "blocks imported per engine:", imported)
     print("\n".join(pulls))
-    # The gateway sent a request to the idle replica naming the holder as its KV source...
+    # Some answers came from the idle replica: pulled from the holder (its log names the
+    # source) or recomputed (fewer cached tokens than the holder has), as the cost model said.
     holder_urls = {f"http://127.0.0.1:{p}" for p in ports}
-    assert any(line.split("source=")[1].split()[0] in holder_urls for line in pulls), pulls
-    # ...and whatever the pull brought in time, the answer is the same.
+    pulled = any(line.split("source=")[1].split()[0] in holder_urls for line in pulls)
+    assert pulled or min(cached) < first["usage"]["prompt_tokens"] - 16, (cached, pulls)

@@ -7,7 +7,7 @@ to the first token of each option is:
     recompute(r) = q_r + (n - h_r) / tps_r               (go_to_holder when h_r = H)
     pull(r, s)   = max(q_r, rtt + (H - h_r) * B / bw_s + wait_s) + (n - H) / tps_r
     q_r          = outstanding_tokens_r / tps_r          (the work queued ahead on r)
-    wait_s       = 2 * windows * step_s   when s is busy (0 when idle)
+    wait_s       = windows * step_s       when s is busy (0 when idle)
 
 n is the prompt's tokens, tps_r the replica's measured prompt tokens/s (its events carry
 the engine's EWMA; `DEFAULT_PROMPT_TPS` until one is measured), B its KV bytes per token
@@ -110,7 +110,7 @@ def choose(
         transfer = PULL_RTT_S + missing * c.bytes_per_token / source.pull_bps
         if holder.outstanding:  # it pins and unpins each window between its own steps
             windows = -(-missing // (WINDOW_BLOCKS * block_size))
-            transfer += 2 * windows * source.step_s
+            transfer += windows * source.step_s  # two waits of half a step on average
         pull = max(q, transfer) + max(0, n - top) / c.prompt_tps
         saved_compute = missing / c.prompt_tps
         if recompute - pull >= max(MIN_GAIN_S, 0.5 * saved_compute):
