@@ -56,14 +56,14 @@ async def test_a_request_sent_away_from_a_busy_affine_replica_names_it() -> None
 def test_only_long_prompts_carry_the_source_and_never_to_vllm() -> None:
     config = GatewayDeployment.model_validate({"name": "d", "model": "m"})
     lease = Lease.__new__(Lease)
-    lease.kv_source = ENDPOINTS[1]
+    lease.kv_source, lease.kv_deadline_s = ENDPOINTS[1], None
     assert kv_pull_params(config, lease, 255) == {}
     assert kv_pull_params(config, lease, 256) == {
         KV_TRANSFER_PARAMS: {"kv_sources": [ENDPOINTS[1]], "deadline_s": 2.0}
     }
     lease.kv_source = None
     assert kv_pull_params(config, lease, 4096) == {}
-    lease.kv_source = ENDPOINTS[1]
+    lease.kv_source, lease.kv_deadline_s = ENDPOINTS[1], None
     off = config.model_copy(update={"kv_pull_min_tokens": None})
     assert kv_pull_params(off, lease, 4096) == {}
 

@@ -18,6 +18,7 @@ from functools import partial
 import httpx
 import psutil
 
+from servefleet.api.kv_events import EVENTS_PATH
 from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH
 from servefleet.api.kv_warm import HOT_PATH, WARM_PATH
 from servefleet.bench import attack_payloads as payloads
@@ -243,8 +244,9 @@ LOAD_ADAPTER = "/v1/load_lora_adapter"
 
 
 def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
-    """A tenant calls an engine directly: chat, tokenize, detokenize, models, KV transfer,
-    and loads a LoRA adapter from a path of its choosing, there and through the gateway.
+    """A tenant calls an engine directly: chat, tokenize, detokenize, models, KV transfer and
+    KV cache events, and loads a LoRA adapter from a path of its choosing, there and through
+    the gateway.
 
     Whoever finds an engine's address gets nothing from it without the engine key (KV blocks
     neither read nor planted); the gateway's tenant port has no adapter control path at all,
@@ -264,6 +266,7 @@ def engine_bypass(stack: AttackStack, result: AttackResult) -> None:
         "kv import": ("POST", IMPORT_PATH, None),
         "kv hot": ("POST", HOT_PATH, {}),
         "kv warm": ("POST", WARM_PATH, {"sources": ["http://127.0.0.1:9"]}),
+        "kv events": ("GET", EVENTS_PATH, None),  # which prefixes the replica caches
     }
     headers = stack.tenant_headers(ATTACKER)
     for label, (method, path, body) in calls.items():

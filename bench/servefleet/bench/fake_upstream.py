@@ -85,6 +85,9 @@ class FakeOpenAI:
             )
             await _send(send, 200, body.encode(), b"text/plain")
             return
+        if path.startswith("/internal/kv/"):  # publishes no KV events (as vLLM): not recorded
+            await _json(send, 404, {"error": {"message": "not found", "type": "not_found"}})
+            return
         raw = b""
         while True:
             message = await receive()

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from servefleet.engine.kv_events import KVEventSink
+
 
 @dataclass(eq=False)
 class KVBlock:
@@ -38,6 +40,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}
         self.num_evictions = 0
+        # Set by the engine: what was published and evicted, for KV cache event subscribers.
+        self.events: KVEventSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,6 +70,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.on_removed(block.block_hash)
                 block.block_hash = None
                 block.parent_hash, block.token_ids = None, ()
                 self.num_evictions += 1
@@ -103,12 +109,20 @@ class BlockPool:
         block.block_hash = block_hash
         block.parent_hash, block.token_ids = parent_hash, token_ids
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.on_stored(block_hash, parent_hash or 0)
         return True
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.on_cleared()
+
+    def cached_hashes(self) -> list[tuple[int, int]]:
+        """(hash, parent) of every published block: a KV event snapshot."""
+        return [(h, b.parent_hash or 0) for h, b in self._cached.items()]
 
     def check_all_free(self) -> None:
         """Raise unless every block is back in the pool (used by tests and on shutdown)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from servefleet.api.ewma import Ewma
 from servefleet.api.seeds import new_seed
+from servefleet.engine.kv_events import KVEventLog, KVEventSink
 from servefleet.engine.lora.adapter import LoraAdapter
 from servefleet.engine.lora.usage import AdapterUsage
 from servefleet.engine.metrics import EngineMetrics
@@ -137,6 +138,11 @@ class Engine:
         self.num_in_flight = 0  # requests submitted and not yet finished (asyncio side)
         self.num_in_flight_seqs = 0  # their sequences (n per request)
         self.prompt_rate = Ewma(0.0)  # tokens/s of steps of PROMPT_RATE_TOKENS+ (kv_puller)
+        self.step_time = Ewma(0.0)  # seconds a step takes: how long an Engine.call may wait
+        # KV cache events: the pool records, the loop publishes only what has been written.
+        self.kv_events = KVEventLog()
+        self._kv_sink = KVEventSink()
+        scheduler.kv_cache.pool.events = self._kv_sink
         metrics.num_requests_waiting.set_function(lambda: len(self.scheduler.waiting))
         metrics.num_requests_running.set_function(lambda: len(self.scheduler.running))
         metrics.kv_cache_usage.set_function(lambda: self.scheduler.kv_cache.usage)
@@ -237,6 +243,7 @@ class Engine:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
                 self._drain_inbox()
+                self.publish_kv_events()  # what calls published was written before
                 if not self.scheduler.num_unfinished:
                     self._wakeup.wait(1.0)
                     self._wakeup.clear()
@@ -263,6 +270,19 @@ class Engine:
                         self.scheduler.abort(seq)
                         self._record_finish(seq)
                     self._untrack(seq)
+
+    def publish_kv_events(self) -> None:
+        """Log what the pool recorded since the last call (engine thread, between or after
+        steps: never between a schedule and its execute)."""
+        batch = self._kv_sink.take()
+        if batch is not None:
+            self.kv_events.append(batch)
+
+    def kv_snapshot(self) -> tuple[int, list[tuple[int, int]]]:
+        """(seq, every cached (hash, parent)): the state batches after seq build on. Run
+        through `call`, i.e. between steps."""
+        self.publish_kv_events()
+        return self.kv_events.seq, self.scheduler.kv_cache.pool.cached_hashes()
 
     def _add(self, request: EngineRequest, sink: _RequestSink) -> None:
         seqs = []
@@ -310,11 +330,14 @@ class Engine:
                 m.prefix_queries.inc(seq.num_prompt_tokens)
                 m.prefix_hits.inc(seq.num_cached_tokens)
         result = self.runner.execute(out)
+        # Blocks published at schedule time hold their KV only now: announce them after.
+        self.publish_kv_events()
         num_before = [s.num_output_tokens for s in result.sampled_seqs]
         self.scheduler.update(out, result.token_by_seq_id())
         now = time.monotonic()
         self.in_step_since = None
         self.metrics.step_seconds.observe(now - started)
+        self.step_time.update(now - started)
         self.metrics.step_tokens.observe(out.num_batched_tokens)
         if out.num_batched_tokens >= PROMPT_RATE_TOKENS:
             self.prompt_rate.update(out.num_batched_tokens / max(now - started, 1e-6))

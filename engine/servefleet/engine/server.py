@@ -26,6 +26,7 @@ from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequ
 from servefleet.api.openai_wire import HeaderLimit
 from servefleet.engine.api_key import ApiKeyMiddleware
 from servefleet.engine.extra_routes import add_extra_routes
+from servefleet.engine.kv_event_routes import add_kv_event_routes
 from servefleet.engine.kv_puller import check_kv_transfer, pull_prefix
 from servefleet.engine.kv_routes import add_kv_routes
 from servefleet.engine.kv_warm import add_kv_warm_routes
@@ -65,6 +66,7 @@ def build_app(state: ServingState) -> FastAPI:
     add_lora_routes(app, state)
     add_kv_routes(app, state)
     add_kv_warm_routes(app, state)
+    add_kv_event_routes(app, state)
     app.add_middleware(HeaderLimit)
     return app
 

@@ -29,6 +29,7 @@ from servefleet.gateway.endpoints import ENDPOINTS, model_card_body, tenant_docu
 from servefleet.gateway.errors import method_not_allowed
 from servefleet.gateway.forward import Forwarder
 from servefleet.gateway.internal_api import InternalApp
+from servefleet.gateway.kv_route_metrics import KVRouteCollector
 from servefleet.gateway.limits import Limiter
 from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.metrics import GatewayMetrics
@@ -85,6 +86,7 @@ class Gateway:
         self._clock = clock
         self._environ = environ
         self.metrics = GatewayMetrics(config.tenant_series_limit)
+        self.metrics.registry.register(KVRouteCollector(lambda: self.pools.values()))
         pools = plan_pools(config, {}, clock).pools
         self.table: RouteTable = build_route_table(config, pools, self.metrics, environ)
         self.limiter = limiter if limiter is not None else make_limiter(config, self.metrics, clock)

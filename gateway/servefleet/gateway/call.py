@@ -47,6 +47,7 @@ class Call:
     timed_out: bool = False  # the last replica's answer stopped for `upstream_timeout_seconds`
     prefill: PrefillLease | None = None  # disaggregated P/D: the prefill replica (`pd`)
     prefill_overflow: PrefillOverflow | None = None  # P/D: no prefill replica had room
+    block_hashes: tuple[int, ...] = ()  # the prompt's exact KV block hashes (routing by contents)
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""

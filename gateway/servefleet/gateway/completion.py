@@ -62,7 +62,8 @@ class CompletionHandler:
         raw = await read_body(receive)
         parsed, request = parse(raw, endpoint)
         route = route_for(table, tenant, request)
-        prompt_tokens, affinity_key = await count_prompt(route, request, parsed)
+        counted = await count_prompt(route, request, parsed)
+        prompt_tokens, affinity_key = counted.tokens, counted.affinity_key
         shape = shape_of(request)
         call = Call(
             route,
@@ -77,6 +78,7 @@ class CompletionHandler:
             started,
             [],
             request_id=request_id,
+            block_hashes=counted.block_hashes,
         )
         reservation: Reservation | None = None
         try:
@@ -131,6 +133,7 @@ class CompletionHandler:
             call.affinity_key,
             retry_key(route.tenant, call.raw),
             route.adapter.name if route.adapter is not None else None,
+            call.block_hashes,
         )
         try:  # a client that leaves while queued gives its place back
             placed = await unless_client_leaves(pool.acquire(request), receive)

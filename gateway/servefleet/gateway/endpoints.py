@@ -168,10 +168,33 @@ def route_for(table: RouteTable, tenant: str, request: BaseModel) -> TenantRoute
     return route
 
 
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    """What admission and routing learn from the prompt before it is placed."""
+
+    tokens: int
+    affinity_key: int | None
+    block_hashes: tuple[int, ...] = ()  # exact KV block hashes (engine's chain), if known
+
+
+def hash_block_size(route: TenantRoute, parsed: dict[str, Any], chat: bool) -> int | None:
+    """The block size to hash the prompt's KV blocks with, or None not to: only for our
+    engines (`kv_pull_min_tokens` set), not for a LoRA adapter (its chain's root is the
+    adapter's weights digest, which the gateway does not have) and not for a chat with
+    tools (the gateway renders the template without them, so the blocks would differ)."""
+    config = route.pool.config
+    if config.kv_pull_min_tokens is None or route.adapter is not None:
+        return None
+    if chat and parsed.get("tools"):
+        return None
+    return config.block_size
+
+
 async def count_prompt(
     route: TenantRoute, request: BaseModel, parsed: dict[str, Any]
-) -> tuple[int, int | None]:
-    """(prompt tokens, affinity key): exact with the model's tokenizer, else estimated.
+) -> PromptCount:
+    """Prompt tokens, affinity key and block hashes: exact with the model's tokenizer (the
+    hashes only then), else estimated.
 
     Exact counts run off the event loop (`token_counter`); a prompt whose length alone proves
     it longer than the model's context is a 400 before anything tokenizes it."""
@@ -186,13 +209,20 @@ async def count_prompt(
         param, chat = ("prompt" if completion else "input"), False
         shape = route.reader.completion(text)
     else:
-        return 0, None
+        return PromptCount(0, None)
     if counter is None:
-        return shape.estimated_tokens, shape.affinity_key
+        return PromptCount(shape.estimated_tokens, shape.affinity_key)
     _check_context(route.pool.config.max_model_len or counter.context_length, counter, shape, param)
-    work = partial(counter.chat if chat else counter.completion, text)
-    exact = await counter.count(work, shape.total_chars)
-    return (shape.estimated_tokens if exact is None else exact), shape.affinity_key
+    if isinstance(request, EmbeddingRequest):
+        exact = await counter.count(partial(counter.completion, text), shape.total_chars)
+        tokens = shape.estimated_tokens if exact is None else exact
+        return PromptCount(tokens, shape.affinity_key)
+    block_size = hash_block_size(route, parsed, chat)
+    work = partial(counter.chat_counted if chat else counter.completion_counted, text, block_size)
+    counted = await counter.count(work, shape.total_chars)
+    if counted is None:
+        return PromptCount(shape.estimated_tokens, shape.affinity_key)
+    return PromptCount(counted.tokens, shape.affinity_key, counted.block_hashes)
 
 
 def _check_context(

@@ -18,6 +18,11 @@ Failover uses the same field: a stream continued on another replica after its en
 (`forward.Forwarder._continue`) names the live peers that may hold the prompt's prefix
 (`failover_pull_params`), so the new replica pulls the longest chain it finds for the
 prompt plus the delivered tokens and recomputes only the tail.
+
+When the gateway knows the real cache contents (`kv_index`, from the engines' KV events) and
+the prompt's exact block hashes, the cost model (`kv_cost`) picks the replica instead, and
+names the holder as the source only when it predicts the pull beats both recomputing and
+waiting for the holder; its deadline is then the model's (half the recompute time saved).
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ def kv_pull_params(config: GatewayDeployment, lease: Lease, prompt_tokens: int) 
     least = config.kv_pull_min_tokens
     if lease.kv_source is None or least is None or prompt_tokens < least:
         return {}
-    params = {"kv_sources": [lease.kv_source], "deadline_s": config.kv_pull_deadline_seconds}
+    deadline = config.kv_pull_deadline_seconds
+    if lease.kv_deadline_s is not None:  # the cost model's: half the recompute time it saves
+        deadline = min(deadline, lease.kv_deadline_s)
+    params = {"kv_sources": [lease.kv_source], "deadline_s": deadline}
     return {KV_TRANSFER_PARAMS: params}
 
 

@@ -23,6 +23,8 @@ from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
 from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
+from servefleet.gateway.kv_cost import Decision, route_by_contents
+from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
 from servefleet.gateway.pd_pool import PromptTokenGauge, prefill_deployment, prefill_stats
 from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
@@ -88,6 +90,8 @@ class DeploymentPool:
         prefill = prefill_deployment(config)  # disaggregated P/D: the prefill pool (`pd`)
         self.prefill = DeploymentPool(prefill, routing, clock=clock) if prefill else None
         self.prefill_overflow = PromptTokenGauge()
+        self.kv_index = KVIndex()  # fed by kv_subscriber (a PoolTasks task)
+        self.kv_decisions: dict[Decision, int] = {}  # routing decisions, counted (metrics)
         self.set_replicas(config.endpoints)
 
     def now(self) -> float:
@@ -104,6 +108,7 @@ class DeploymentPool:
         self.service_time = old.service_time
         self.cold_start = old.cold_start
         self.promises = old.promises
+        self.kv_index, self.kv_decisions = old.kv_index, old.kv_decisions
         if self.config.tokenizer == old.config.tokenizer:
             self.token_counter = old.token_counter
 
@@ -241,8 +246,26 @@ class DeploymentPool:
         )
         return decide(view, self.config.admission.max_queue_wait, rule)
 
+    def _lease_by_contents(self, hashes: tuple[int, ...], tokens: int, now: float) -> Lease | None:
+        """A lease where the cost model sends a hashed prompt (`kv_cost`); None: the
+        affinity rule decides."""
+        replicas = self.replicas.replicas.values()
+        option = route_by_contents(replicas, self.kv_index, hashes, now, self.config)
+        decision: Decision = option.decision if option else "local"
+        self.kv_decisions[decision] = self.kv_decisions.get(decision, 0) + 1
+        if option is None:
+            return None
+        self.replicas.acquire(option.replica, tokens)
+        self.in_flight += 1
+        source = None if option.source is None else option.source.endpoint
+        return Lease(option.replica, tokens, now, kv_source=source, kv_deadline_s=option.deadline_s)
+
     def _dispatch_now(self, request: PoolRequest) -> Lease | None:
         now = self._clock()
+        if request.adapter is None and request.block_hashes:
+            lease = self._lease_by_contents(request.block_hashes, request.tokens, now)
+            if lease is not None:
+                return lease
         slack = self.routing.affinity_slack
         replica = self.replicas.pick(
             request.affinity_key, now, slack=slack, adapter=request.adapter
@@ -286,7 +309,7 @@ class DeploymentPool:
             now,
             weight=request.weight,
             future=future,
-            payload=(request.affinity_key, request.tokens, request.adapter),
+            payload=(request.affinity_key, request.tokens, request.adapter, request.block_hashes),
             promised=promised,
         )
         self.pump()
@@ -347,7 +370,12 @@ class DeploymentPool:
             future = entry.future
             if future is None or future.done():
                 continue
-            affinity_key, tokens, adapter = entry.payload
+            affinity_key, tokens, adapter, hashes = entry.payload
+            if adapter is None and hashes:
+                lease = self._lease_by_contents(hashes, tokens, now)
+                if lease is not None:
+                    future.set_result(lease)
+                    continue
             replica = self.replicas.pick(
                 affinity_key, now, slack=self.routing.affinity_slack, adapter=adapter
             )

@@ -11,6 +11,7 @@ import contextlib
 import logging
 
 from servefleet.gateway.discovery import EndpointSliceWatcher
+from servefleet.gateway.kv_subscriber import KVSubscriber
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.kube import KubeAccess
 
@@ -28,6 +29,9 @@ class PoolTasks:
             tasks.append(asyncio.create_task(_load_tokenizer(pool), name=f"tokens-{pool.name}"))
         if pool.config.service is not None:
             tasks.append(asyncio.create_task(self._watch(pool), name=f"watch-{pool.name}"))
+        if pool.config.kv_pull_min_tokens is not None:  # our engines publish KV cache events
+            follow = KVSubscriber(pool).run()
+            tasks.append(asyncio.create_task(follow, name=f"kv-events-{pool.name}"))
 
     def cancel(self, name: str) -> None:
         for task in self._tasks.pop(name, []):

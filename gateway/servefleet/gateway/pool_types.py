@@ -23,6 +23,7 @@ class PoolRequest:
     affinity_key: int | None
     retry_key: bytes | None = None  # tenant + body: known again when it comes back (retry_promises)
     adapter: str | None = None  # the LoRA adapter it asks for: its holders are preferred
+    block_hashes: tuple[int, ...] = ()  # its prompt's KV blocks: routed by who holds them
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +39,7 @@ class Lease:
     released: bool = False
     batch: bool = False  # a batch request's slot: load, but not demand that buys replicas
     kv_source: str | None = None  # a replica likely to hold the prompt's prefix KV, not this one
+    kv_deadline_s: float | None = None  # how long the pull may take (the cost model's), if set
 
 
 @dataclass(frozen=True, slots=True)

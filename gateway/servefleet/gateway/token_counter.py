@@ -25,8 +25,10 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from servefleet.api.kv_blocks import chain, root_hash
 from servefleet.text.chat_template import ChatTemplate, ChatTemplateError
 from servefleet.text.messages import template_messages
 from servefleet.text.model_text import load_model_text
@@ -97,6 +99,22 @@ def counting_worker() -> CountingWorker:
     return _WORKER
 
 
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """An exact prompt count and, when asked for, the hashes of its full KV blocks: the
+    engine's own chain (`servefleet.api.kv_blocks`, base model root), so the gateway can
+    ask its index which replica holds them."""
+
+    tokens: int
+    block_hashes: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, ids: Sequence[int], block_size: int | None) -> Counted:
+        if block_size is None:
+            return cls(len(ids))
+        return cls(len(ids), tuple(chain(root_hash(None), ids, block_size)))
+
+
 class PromptTokenCounter:
     """Counts what the engine will count: the rendered chat template, tokenized."""
 
@@ -112,14 +130,18 @@ class PromptTokenCounter:
         """Tokens a text of `chars` characters has at the very least (no tokenizing)."""
         return math.ceil(chars / self.longest_token_chars)
 
-    def chat(self, messages: Sequence[Mapping[str, Any]]) -> int | None:
-        """Tokens of the rendered conversation (validated messages); None when the template
-        refuses them here: the engine will say why."""
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int] | None:
+        """Token ids of the rendered conversation (validated messages), as the engine
+        tokenizes it; None when the template refuses them here: the engine will say why."""
         try:
             text = self.template.render(template_messages(messages), add_generation_prompt=True)
         except ChatTemplateError:
             return None
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]]) -> int | None:
+        ids = self.chat_ids(messages)
+        return None if ids is None else len(ids)
 
     def completion(self, prompt: Any) -> int | None:
         if isinstance(prompt, str):
@@ -128,7 +150,23 @@ class PromptTokenCounter:
             return sum(len(self.tokenizer.encode(p)) for p in prompt)
         return None  # token ids are counted exactly without a tokenizer
 
-    async def count(self, work: Callable[[], int | None], chars: int) -> int | None:
+    def chat_counted(
+        self, messages: Sequence[Mapping[str, Any]], block_size: int | None
+    ) -> Counted | None:
+        """The count, and the prompt's KV block hashes when `block_size` is given."""
+        ids = self.chat_ids(messages)
+        return None if ids is None else Counted.of(ids, block_size)
+
+    def completion_counted(self, prompt: Any, block_size: int | None) -> Counted | None:
+        """A single prompt (text or token ids) is hashed too; a list of texts only counted."""
+        if isinstance(prompt, str):
+            return Counted.of(self.tokenizer.encode(prompt), block_size)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            return Counted.of(prompt, block_size)
+        count = self.completion(prompt)
+        return None if count is None else Counted(count)
+
+    async def count(self, work: Callable[[], T | None], chars: int) -> T | None:
         """`work` (a `chat` or `completion` call) on the counting worker; None (estimate) for
         a text over `EXACT_COUNT_MAX_CHARS` or when the worker is busy."""
         if chars > EXACT_COUNT_MAX_CHARS:
