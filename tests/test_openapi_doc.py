@@ -13,6 +13,7 @@ from fastapi.routing import APIRoute
 from openapi_spec_validator import validate
 from pydantic import BaseModel
 
+from servefleet.api.kv_events import EVENTS_PATH
 from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH, LOOKUP_PATH
 from servefleet.api.kv_warm import HOT_PATH, WARM_PATH
 from servefleet.api.openai_requests import REFUSED_FIELDS
@@ -146,6 +147,7 @@ def test_the_gateway_documents_its_tenant_port() -> None:
     # blocks move between engines only
     engine_only = {"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     engine_only |= {INFO_PATH, LOOKUP_PATH, EXPORT_PATH, IMPORT_PATH, HOT_PATH, WARM_PATH}
+    engine_only.add(EVENTS_PATH)
     assert set(document["paths"]) == set(OPERATIONS) - engine_only
     for path in ("/tokenize", "/v1/models", "/v1/chat/completions"):
         assert next(iter(document["paths"][path].values()))["security"] == [{"bearerKey": []}]

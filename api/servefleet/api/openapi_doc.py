@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from servefleet.api.kv_events import EVENTS_PATH
 from servefleet.api.kv_transfer import (
     EXPORT_PATH,
     IMPORT_PATH,
@@ -108,6 +109,9 @@ OPERATIONS: dict[str, Operation] = {
     IMPORT_PATH: Operation("post", f"Import a pushed {MEDIA_TYPE} stream of KV blocks"),
     HOT_PATH: Operation("post", "This cache's hottest KV block chains", KVHotRequest),
     WARM_PATH: Operation("post", "Pull peers' hottest KV chains, then be ready", KVWarmRequest),
+    EVENTS_PATH: Operation(
+        "get", "This cache's KV block events (stored, removed, cleared)", media_type=EVENT_STREAM
+    ),
     "/health": Operation("get", "Liveness", probe=True),
     "/ready": Operation("get", "Readiness", probe=True),
     "/metrics": Operation("get", "Prometheus metrics", media_type=PROMETHEUS_TEXT),
@@ -136,7 +140,7 @@ def _document_refused(properties: dict[str, Any]) -> None:
 def _responses(operation: Operation) -> dict[str, Any]:
     error_ref = {"$ref": SCHEMA_REF.format(model=ERROR_SCHEMA)}
     error = {"content": {"application/json": {"schema": error_ref}}}
-    if operation.media_type in (PROMETHEUS_TEXT, MEDIA_TYPE):
+    if operation.media_type in (PROMETHEUS_TEXT, MEDIA_TYPE, EVENT_STREAM):
         ok_schema: dict[str, Any] = {"type": "string"}
     else:
         ok_schema = _JSON_OBJECT
