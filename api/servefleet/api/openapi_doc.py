@@ -140,8 +140,10 @@ def _document_refused(properties: dict[str, Any]) -> None:
 def _responses(operation: Operation) -> dict[str, Any]:
     error_ref = {"$ref": SCHEMA_REF.format(model=ERROR_SCHEMA)}
     error = {"content": {"application/json": {"schema": error_ref}}}
-    if operation.media_type in (PROMETHEUS_TEXT, MEDIA_TYPE, EVENT_STREAM):
-        ok_schema: dict[str, Any] = {"type": "string"}
+    if operation.media_type == EVENT_STREAM:
+        ok_schema: dict[str, Any] = _SSE_EVENT
+    elif operation.media_type in (PROMETHEUS_TEXT, MEDIA_TYPE):
+        ok_schema = {"type": "string"}
     else:
         ok_schema = _JSON_OBJECT
     content = {operation.media_type: {"schema": ok_schema}}
