@@ -32,7 +32,7 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
-from servefleet.api.kv_transfer import ROUTE_DECISIONS_METRIC
+from servefleet.api.kv_events import ROUTE_DECISIONS_METRIC
 from servefleet.api.llmdeployment import TenantLimits
 from servefleet.bench.engine_process import EngineProcess, thread_env
 from servefleet.bench.processes import serve_in_thread
@@ -116,7 +116,7 @@ def test_pd_through_the_gateway_equals_colocated(stack: tuple[Gateway, str, str,
     again, _ = complete(d_url, "Two. " + PROMPT, engine)  # the decode engine alone
     assert via_pd == again
     decisions = gateway.metrics.registry.get_sample_value(
-        ROUTE_DECISIONS_METRIC, {"model": "m", "decision": "pd"}
+        ROUTE_DECISIONS_METRIC, {"deployment": "d", "model": "m", "decision": "pd"}
     )
     assert decisions == 2
     exported = 'blocks_total{direction="export",model_name="m",outcome="ok"}'
@@ -125,7 +125,7 @@ def test_pd_through_the_gateway_equals_colocated(stack: tuple[Gateway, str, str,
     complete(base, "Short one.", TENANT)
     assert (
         gateway.metrics.registry.get_sample_value(
-            ROUTE_DECISIONS_METRIC, {"model": "m", "decision": "pd"}
+            ROUTE_DECISIONS_METRIC, {"deployment": "d", "model": "m", "decision": "pd"}
         )
         == 2
     )

@@ -13,9 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from servefleet.api.gateway_config import PrefillRouting
-from servefleet.api.kv_transfer import ROUTE_DECISIONS_METRIC
+from servefleet.api.kv_events import ROUTE_DECISIONS_METRIC
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
@@ -33,7 +34,7 @@ class Rig:
         self.gateway, self.base, self.p, self.d = gateway, base, p, d
 
     def pd_decisions(self) -> float:
-        labels = {"model": "m", "decision": "pd"}
+        labels = {"deployment": "d", "model": "m", "decision": "pd"}
         return self.gateway.metrics.registry.get_sample_value(ROUTE_DECISIONS_METRIC, labels) or 0
 
 
@@ -177,3 +178,5 @@ def test_prefill_pool_demand_is_reported_for_its_autoscaler(stack: ExitStack) ->
     after = pool.stats()
     assert (after.prefill_prompt_tokens_running, after.prefill_prompt_tokens_queued) == (0, 0)
     assert r.pd_decisions() == 1
+    exposition = generate_latest(gateway.metrics.registry).decode()
+    assert exposition.count(f"# TYPE {ROUTE_DECISIONS_METRIC} counter") == 1  # one family

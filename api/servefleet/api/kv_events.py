@@ -39,9 +39,10 @@ ROUTE_DECISIONS_METRIC = "servefleet_gateway_kv_route_decisions_total"
 """Requests routed by cache contents, by `decision`: `go_to_holder` (the replica holding the
 longest prefix), `pull` (another replica, which pulls the prefix from the holder),
 `recompute` (another replica, which recomputes it), `local` (the prompt was hashed but no
-replica is known to hold its first block: the prompt-affinity rule decides)."""
+replica is known to hold its first block: the prompt-affinity rule decides), `pd` (a
+disaggregated deployment's prefill replica computes the prompt for the decode replica)."""
 DECISION_LABEL = "decision"
-DECISIONS = ("local", "pull", "go_to_holder", "recompute")
+DECISIONS = ("local", "pull", "go_to_holder", "recompute", "pd")
 INDEX_BLOCKS_METRIC = "servefleet_gateway_kv_index_blocks"
 """(block, replica) pairs the gateway's index holds per deployment."""
 

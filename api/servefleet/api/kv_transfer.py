@@ -56,8 +56,6 @@ FALLBACKS_METRIC = "servefleet_engine_kv_import_fallbacks_total"
 DIRECTION_LABEL = "direction"  # export | import
 OUTCOME_LABEL = "outcome"  # ok | partial | refused | failed
 REASON_LABEL = "reason"  # why a pull fell back to recompute
-ROUTE_DECISIONS_METRIC = "servefleet_gateway_kv_route_decisions_total"
-DECISION_LABEL = "decision"  # pd: a prefill replica computes the prompt for the decode one
 
 Direction = Literal["export", "import"]
 Outcome = Literal["ok", "partial", "refused", "failed"]

@@ -87,7 +87,7 @@ class Forwarder:
         pool = call.route.pool
         call.prefill = pick_prefill(pool, call)
         if call.prefill is not None:
-            self._metrics.kv_route_decisions.labels(pool.model, "pd").inc()
+            pool.count_kv_decision("pd")
         first, body = self._pool_body(call, lease)
         retried = False
         while True:

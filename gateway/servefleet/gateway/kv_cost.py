@@ -42,7 +42,7 @@ MIN_PULL_BLOCKS = 4
 MIN_GAIN_S = 0.05
 MIN_PULL_DEADLINE_S = 0.25  # below this a pull's connection setup alone may not fit
 
-Decision = Literal["local", "pull", "go_to_holder", "recompute"]
+Decision = Literal["local", "pull", "go_to_holder", "recompute", "pd"]
 
 
 @dataclass(frozen=True, slots=True)

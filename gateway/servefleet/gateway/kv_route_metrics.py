@@ -1,7 +1,8 @@
 """The routing-by-contents series, read from the pools at scrape time.
 
 `servefleet_gateway_kv_route_decisions_total{deployment, model, decision}` counts each
-dispatch by what the cost model decided (`kv_cost`; `local` when it had nothing to go on), and
+dispatch by what the cost model decided (`kv_cost`; `local` when it had nothing to go on;
+`pd` when a prefill replica computed the prompt, `pd`), and
 `servefleet_gateway_kv_index_blocks{deployment, model}` is the size of each pool's index. The
 tallies live in the pool (and move to a pool that replaces it), so nothing on the request
 path touches Prometheus.
@@ -34,8 +35,8 @@ class KVRouteCollector(Collector):
             INDEX_BLOCKS_METRIC, "(block, replica) pairs in the KV index.", labels=labels
         )
         for pool in self._pools():
-            if pool.config.kv_pull_min_tokens is None:
-                continue
+            if pool.config.kv_pull_min_tokens is None and pool.config.prefill is None:
+                continue  # neither routed by contents nor disaggregated
             for decision in DECISIONS:
                 count = pool.kv_decisions.get(decision, 0)  # type: ignore[call-overload]
                 decisions.add_metric([pool.name, pool.model, decision], count)

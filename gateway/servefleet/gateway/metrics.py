@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from servefleet.api.gateway_stats import DeploymentStats
-from servefleet.api.kv_transfer import DECISION_LABEL, ROUTE_DECISIONS_METRIC
 from servefleet.api.outcomes import Outcome
 
 PREFIX = "servefleet_gateway_"
@@ -97,12 +96,6 @@ class GatewayMetrics:
         )
         self.ejections = self._counter(
             "replica_ejections", "Replicas ejected after a failure.", ["model"]
-        )
-        self.kv_route_decisions = Counter(
-            ROUTE_DECISIONS_METRIC,
-            "How requests' KV was placed: pd = prefill pool, then decode pool.",
-            ["model", DECISION_LABEL],
-            registry=self.registry,
         )
         self._children: dict[tuple[str, str], TenantModelMetrics] = {}
 

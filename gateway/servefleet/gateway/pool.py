@@ -246,13 +246,16 @@ class DeploymentPool:
         )
         return decide(view, self.config.admission.max_queue_wait, rule)
 
+    def count_kv_decision(self, decision: Decision) -> None:
+        """One dispatch's KV placement, for `kv_route_metrics`."""
+        self.kv_decisions[decision] = self.kv_decisions.get(decision, 0) + 1
+
     def _lease_by_contents(self, hashes: tuple[int, ...], tokens: int, now: float) -> Lease | None:
         """A lease where the cost model sends a hashed prompt (`kv_cost`); None: the
         affinity rule decides."""
         replicas = self.replicas.replicas.values()
         option = route_by_contents(replicas, self.kv_index, hashes, now, self.config)
-        decision: Decision = option.decision if option else "local"
-        self.kv_decisions[decision] = self.kv_decisions.get(decision, 0) + 1
+        self.count_kv_decision(option.decision if option else "local")
         if option is None:
             return None
         self.replicas.acquire(option.replica, tokens)
