@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from servefleet.api.gateway_config import PrefillRouting
+from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.kv_events import ROUTE_DECISIONS_METRIC
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
@@ -143,6 +144,12 @@ def test_prefill_pools_are_probed_and_watched_with_their_pool() -> None:
         assert names == ["d", "d-prefill"]
 
 
+def both_placed(stats: DeploymentStats) -> bool:
+    """One prompt on the prefill replica and one that found it full."""
+    running, queued = stats.prefill_prompt_tokens_running, stats.prefill_prompt_tokens_queued
+    return bool(running and queued)
+
+
 def test_prefill_pool_demand_is_reported_for_its_autoscaler(stack: ExitStack) -> None:
     """The prefill pool's signal in the stats the autoscaler reads: prompt tokens on its
     replicas, and those that found no prefill replica with room (prefilled on a decode
@@ -166,10 +173,13 @@ def test_prefill_pool_demand_is_reported_for_its_autoscaler(stack: ExitStack) ->
     assert pool.stats().prefill_prompt_tokens == 0
     with ThreadPoolExecutor(2) as workers:
         answers = [workers.submit(complete, r, LONG) for _ in range(2)]
+        # Both requests are in flight before the second has been placed (or overflowed), so
+        # wait for the placement itself; the decode replica holds both for 1.5 s.
         deadline = time.monotonic() + 5
-        while pool.in_flight < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
         stats = pool.stats()
+        while not both_placed(stats) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            stats = pool.stats()
         assert [a.result().status_code for a in answers] == [200, 200]
     running, queued = stats.prefill_prompt_tokens_running, stats.prefill_prompt_tokens_queued
     assert running is not None and queued is not None
