@@ -28,28 +28,20 @@ from typing import Any
 
 import httpx
 
+from servefleet.bench.bench_output import engine_bench_parser, save_result
 from servefleet.bench.engine_process import EngineProcess, thread_env
-
-KEY = "bench-key"
-AUTH = {"authorization": f"Bearer {KEY}"}
-SENTENCE = "The harbour master logged ship {i} arriving with {j} crates of tea and spices. "
+from servefleet.bench.kv_transfer import AUTH, KEY
+from servefleet.bench.kv_transfer import prompt as long_prompt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = engine_bench_parser(__doc__, "bench/results/kv_pd.json", threads=1)
     p.add_argument("--streams", type=int, default=4, help="decoding streams")
     p.add_argument("--stream-tokens", type=int, default=160, help="tokens each stream decodes")
     p.add_argument("--long-prompts", type=int, default=4)
     p.add_argument("--sentences", type=int, default=60, help="~17 tokens each: ~1k tokens")
     p.add_argument("--gap-s", type=float, default=1.5, help="between long prompts")
-    p.add_argument("--out", type=Path, default=Path("bench/results/kv_pd.json"))
     return p.parse_args(argv)
-
-
-def long_prompt(tag: str, sentences: int) -> str:
-    body = "".join(SENTENCE.format(i=i, j=i * 7 % 31) for i in range(sentences))
-    return f"Log {tag}. {body}Summarise the log."
 
 
 async def stream_times(
@@ -105,10 +97,10 @@ async def run_arm(args: argparse.Namespace, bases: list[str], pd: bool, tag: str
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    flags = ["--api-key", KEY, "--kv-cache-memory", "512MiB", "--threads", "1"]
+    flags = ["--api-key", KEY, "--kv-cache-memory", "512MiB", "--threads", str(args.threads)]
     flags += ["--served-model-name", "m"]
     logs = [args.out.with_name(f"{args.out.stem}.engine{i}.log") for i in range(2)]
-    env = thread_env(1)
+    env = thread_env(args.threads)
     with (
         EngineProcess(args.model, logs[0], flags, env=env) as e0,
         EngineProcess(args.model, logs[1], flags, env=env) as e1,
@@ -147,27 +139,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = measure(args)
     colocated, pd = runs
-    result = {
-        "benchmark": "kv_pd",
+    fields = {
         "model": args.model,
         "engines": 2,
-        "threads_per_engine": 1,
+        "threads_per_engine": args.threads,
         "streams": args.streams,
         "long_prompts": args.long_prompts,
-        "cpu_flags": sorted(cpu_flags()),
         "itl_p99_ratio_colocated_over_pd": colocated["itl_p99_ms"] / pd["itl_p99_ms"],
         "itl_max_ratio_colocated_over_pd": colocated["itl_max_ms"] / pd["itl_max_ms"],
         "runs": runs,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    result = save_result(args.out, "kv_pd", fields, plot)
     for run in runs:
         print(json.dumps({k: v for k, v in run.items() if k != "long_ttfts_s"}))
     ratio = result["itl_p99_ratio_colocated_over_pd"]

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from servefleet.bench.bench_output import engine_bench_parser, save_result
 from servefleet.bench.engine_process import EngineProcess, thread_env
 
 KEY = "bench-key"
@@ -30,13 +31,10 @@ SENTENCE = "The harbour master logged ship {i} arriving with {j} crates of tea a
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = engine_bench_parser(__doc__, "bench/results/kv_transfer.json")
     p.add_argument("--sentences", type=int, default=120, help="~17 tokens each: ~2k tokens")
     p.add_argument("--repeats", type=int, default=3, help="prompts per arm and cache dtype")
-    p.add_argument("--threads", type=int, default=2, help="--threads of each engine")
     p.add_argument("--dtypes", default="float32,int8")
-    p.add_argument("--out", type=Path, default=Path("bench/results/kv_transfer.json"))
     return p.parse_args(argv)
 
 
@@ -125,21 +123,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = [measure(args, dtype) for dtype in args.dtypes.split(",")]
-    result = {
-        "benchmark": "kv_transfer",
-        "model": args.model,
-        "threads_per_engine": args.threads,
-        "cpu_flags": sorted(cpu_flags()),
-        "runs": runs,
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    fields = {"model": args.model, "threads_per_engine": args.threads, "runs": runs}
+    save_result(args.out, "kv_transfer", fields, plot)
     for run in runs:
         print(json.dumps({k: v for k, v in run.items() if k not in ("pull", "recompute")}))
     return 0

@@ -28,19 +28,17 @@ from typing import Any
 import httpx
 
 from servefleet.api.kv_warm import WARM_PATH, WARMING_DETAIL
+from servefleet.bench.bench_output import engine_bench_parser, save_result
 from servefleet.bench.engine_process import EngineProcess, thread_env
 from servefleet.bench.kv_transfer import AUTH, KEY, first_token, prompt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = engine_bench_parser(__doc__, "bench/results/kv_warm.json")
     p.add_argument("--sentences", type=int, default=110, help="~17 tokens each: ~2k tokens")
     p.add_argument("--hot", type=int, default=3, help="hot prompts the peer serves")
     p.add_argument("--rounds", type=int, default=1, help="new replicas per arm")
-    p.add_argument("--threads", type=int, default=2, help="--threads of each engine")
     p.add_argument("--kv-cache-dtype", default="float32")
-    p.add_argument("--out", type=Path, default=Path("bench/results/kv_warm.json"))
     return p.parse_args(argv)
 
 
@@ -139,21 +137,14 @@ def plot(run: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run = measure(args)
-    result = {
-        "benchmark": "kv_warm",
-        "model": args.model,
-        "threads_per_engine": args.threads,
-        "cpu_flags": sorted(cpu_flags()),
-        "run": run,
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(run, args.out.with_suffix(".png"))
+    fields = {"model": args.model, "threads_per_engine": args.threads, "run": run}
+    save_result(args.out, "kv_warm", fields, lambda result, png: plot(result["run"], png))
     print(json.dumps({k: v for k, v in run.items() if k != "replicas"}))
     return 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from servefleet.bench.bench_output import save_result
 from servefleet.bench.engine_process import EngineProcess, thread_env
 from servefleet.bench.lora_throughput import make_adapters
 from servefleet.bench.processes import serve_in_thread
@@ -138,7 +138,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
@@ -151,16 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         with serve_in_thread(gateway) as base:
             measured = asyncio.run(measure_all(base, args.model, args.adapters, args.repeats))
     result = {
-        "benchmark": "lora_cold_load",
         "model": args.model,
         "rank": args.rank,
         "max_loras": 2,
-        "matmul_isa": os.environ.get("SERVEFLEET_MATMUL_ISA", "auto"),
-        "cpu_flags": sorted(cpu_flags()),
         **measured,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    result = save_result(args.out, "lora_cold_load", result, plot)
     print(json.dumps({k: v for k, v in result.items() if k not in ("cpu_flags", "requests")}))
     return 0
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from servefleet.bench.bench_output import save_result
 
 MIXES = (0, 1, 4, 8, 16)
 PATHS = ("program", "c-kernel", "torch")
@@ -208,19 +209,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
     result = {
-        "benchmark": "lora_step", "rows": args.rows, "context": args.context,
-        "rounds": args.rounds, "matmul_isa": os.environ.get("SERVEFLEET_MATMUL_ISA", "auto"),
-        "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
-        "cpu_flags": sorted(cpu_flags()), **measure(args),
+        "rows": args.rows, "context": args.context, "rounds": args.rounds,
+        "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, **measure(args),
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    result = save_result(args.out, "lora_step", result, plot)
     print(json.dumps({k: result[k] for k in ("step_ms", "prompt_step_ms")}, indent=2))
     return 0
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from servefleet.bench.bench_output import save_result
 from servefleet.bench.engine_process import EngineProcess, thread_env
 
 MIXES = (0, 1, 4, 8, 16)  # distinct adapters in the mix; 0: the base model alone
@@ -200,7 +201,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
@@ -209,15 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     measured = measure(args, paths)
     base = measured["mixes"]["0"]["output_tps"]
     result = {
-        "benchmark": "lora_throughput",
         "model": args.model,
         "rank": args.rank,
         "concurrency": args.concurrency,
         "requests_per_mix": args.requests,
         "rounds": args.rounds,
         "threads": args.threads,
-        "matmul_isa": os.environ.get("SERVEFLEET_MATMUL_ISA", "auto"),
-        "cpu_flags": sorted(cpu_flags()),
         "ratio_to_base": {
             k: statistics.median(m["round_ratios"]) for k, m in measured["mixes"].items()
         },
@@ -230,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         **measured,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    result = save_result(args.out, "lora_throughput", result, plot)
     print(json.dumps({k: v for k, v in result.items() if k != "cpu_flags"}, indent=2))
     failed = sum(m["failed"] for m in measured["mixes"].values())
     return 1 if failed else 0

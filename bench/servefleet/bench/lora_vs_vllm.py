@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from servefleet.bench.bench_output import save_result
 from servefleet.bench.engine_process import EngineProcess, EngineStartError
 from servefleet.bench.lora_throughput import load_all, make_adapters, prompts, run_mix
 
@@ -122,7 +123,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
@@ -146,13 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     theirs = {"best": best, "by_dtype": runs, "failed_dtypes": broken}
     ratio = {mix: ours["best"][mix]["output_tps"] / best[mix]["output_tps"]
              for mix in ("base", "adapters")}  # fmt: skip
-    result = {"benchmark": "lora_vs_vllm", "rank": args.rank, "concurrency": args.concurrency,
+    result = {"rank": args.rank, "concurrency": args.concurrency,
               "requests_per_mix": args.requests, "output_tokens": args.output_tokens,
-              "rounds": args.rounds, "matmul_isa": os.environ.get("SERVEFLEET_MATMUL_ISA", "auto"),
-              "cpu_flags": sorted(cpu_flags()), "ours_over_vllm": ratio,
+              "rounds": args.rounds, "ours_over_vllm": ratio,
               "servefleet": ours, "vllm": theirs}  # fmt: skip
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    result = save_result(args.out, "lora_vs_vllm", result, plot)
     print(json.dumps({"ours_over_vllm": ratio,
                       "tps": {s: {m: r["output_tps"] for m, r in result[s]["best"].items()}
                               for s in ("servefleet", "vllm")}}, indent=2))  # fmt: skip
