@@ -44,7 +44,7 @@ typecheck: setup
 	$(UV) run mypy
 
 unit: setup
-	$(UV) run pytest tests -q
+	$(UV) run pytest tests -q --durations=25
 
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy, kubectl
 # and helm from their Go modules, built once into ~/.cache/servefleet/k8s (skipped when
@@ -54,11 +54,11 @@ k8s-bins:
 
 # Real processes and a real API server (pods marked Ready by the tests).
 e2e: setup k8s-bins
-	$(UV) run pytest e2e -q --ignore-glob='e2e/test_node_*' --ignore-glob='e2e/test_vllm_*'
+	$(UV) run pytest e2e -q --durations=25 --ignore-glob='e2e/test_node_*' --ignore-glob='e2e/test_vllm_*'
 
 # A real node: the images built from the Dockerfile, pods that run (needs root).
 e2e-node: setup system-deps k8s-bins
-	$(UV) run pytest e2e/test_node_*.py -q -s
+	$(UV) run pytest e2e/test_node_*.py -q -s --durations=15
 
 # engine.kind vllm on the real node (as root): vLLM's CPU build as an engine image (e2e/k8s/vllm),
 # Ready, served, autoscaled, drained, an adapter loaded. Not part of `make test`: the image
