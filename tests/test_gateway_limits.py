@@ -18,7 +18,6 @@ from servefleet.gateway.limits import LimitPolicy, LimitScope, LocalLimiter, Req
 from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.limits_redis import RedisLimiter
 
-
 DAILY_100 = Budget("daily", "tokens", 100)
 
 
