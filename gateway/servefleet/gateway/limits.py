@@ -127,10 +127,11 @@ class RequestTooLarge(Exception):
     """prompt + max_tokens exceeds a tokens-per-minute window or a whole budget: no retry can
     ever succeed."""
 
-    def __init__(self, tokens: int, limit: int, what: str = "tokens-per-minute limit") -> None:
+    def __init__(self, tokens: int, limit: int, what: str | None = None) -> None:
+        what = what or f"tokens-per-minute limit of {limit}"
         super().__init__(
             f"This request needs {tokens} tokens (prompt + max_tokens), more than the "
-            f"{what} of {limit}; lower max_tokens or shorten the prompt."
+            f"{what}; lower max_tokens or shorten the prompt."
         )
         self.tokens = tokens
         self.limit = limit
