@@ -226,3 +226,15 @@ async def test_redis_counters_roll_over_with_the_period(redis_port: int) -> None
         assert 3600 < ttl <= 3600 + 86400  # it expires a day after its period
     finally:
         await limiter.close()
+
+
+async def test_large_cost_counters_stay_exact(redis_port: int) -> None:
+    """A 1e9 USD budget is 1e15 micro-USD: Redis answers integers, never `1e+15`."""
+    limiter = gateway(redis_port)
+    big = scope(Budget("monthly", "cost", 10**15))
+    try:
+        for expected in (10**14 + 3, 2 * (10**14 + 3)):
+            decision = await limiter.reserve(big, 10, 10**14 + 3)
+            assert decision.admitted and decision.budgets[0].used == expected
+    finally:
+        await limiter.close()

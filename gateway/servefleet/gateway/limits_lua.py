@@ -111,7 +111,7 @@ for i = 1, nscopes do
   out[#out + 1] = tostring(levels[i][1])
   out[#out + 1] = tostring(levels[i][2])
 end
-for j = 1, nbudgets do out[#out + 1] = tostring(used[j]) end
+for j = 1, nbudgets do out[#out + 1] = used[j] end  -- an integer reply: exact (tostring is not)
 return out
 """
 

@@ -161,8 +161,8 @@ class RedisLimiter:
         admitted = not exceeded and not broke
         budgets = tuple(BudgetLevel(c, u, admitted) for c, u in zip(charges, used, strict=True))
         snapshot = self._snapshot(scopes, observed[0] if observed else ScopeLevels())
-        refused = [level for level in budgets if level.exhausted]
-        if refused:
+        if broke:
+            refused = [level for level in budgets if level.exhausted] or list(budgets)
             wait = max(level.charge.resets_at for level in refused) - wall
             return LimitDecision(False, snapshot, None, wait, "budget", observed, budgets)
         if exceeded:
