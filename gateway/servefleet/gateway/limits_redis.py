@@ -1,9 +1,11 @@
 """Limits shared by every gateway replica through Redis.
 
 `RedisLimiter` keeps the same buckets as `LocalLimiter` in Redis and changes them with one
-atomic Lua script per step, on Redis' own clock, so every gateway replica agrees. It also
-reads the shared levels without changing them and charges usage made elsewhere (`observe`,
-`debit`): what `limits_failover.FailoverLimiter` needs to carry limits across an outage.
+atomic Lua script per step, on Redis' own clock, so every gateway replica agrees; budget
+counters sit beside each scope's windows, one key per budget and period (`budgets`). It also
+reads the shared levels without changing them, charges usage made elsewhere and gives budgets
+refunds a failed settlement missed (`observe`, `debit`, `refund`): what
+`limits_failover.FailoverLimiter` needs to carry limits across an outage.
 """
 
 from __future__ import annotations
