@@ -240,7 +240,7 @@ def budget_self_raise(stack: AttackStack, result: AttackResult) -> None:
     result.require(_error(answer).get("code") == "insufficient_quota", answer.text[:200])
     for field in ("budget", "daily_token_budget"):
         raise_it = json.dumps(payloads.chat("Say hi.", **{field: 10**9})).encode()
-        _refused(result, field, lambda b=raise_it: chat(b), (400,), param=field)
+        _refused(result, field, partial(chat, raise_it), (400,), param=field)
     last = _refused(result, "after", chat, (429,))
     result.require(_error(last).get("code") == "insufficient_quota", last.text[:200])
     result.outcome = f"{served} served, then " + _outcome(result)

@@ -112,8 +112,9 @@ def plan_pools(
 
 
 def _same_pool(old: GatewayDeployment, new: GatewayDeployment) -> bool:
-    """True when only the tenants' access or the adapters changed: the pool can stay."""
-    keep = {"tenants", "adapters"}
+    """True when only the tenants' access, the adapters or the prices changed: the pool can
+    stay (prices are read from the route, rebuilt with every table)."""
+    keep = {"tenants", "adapters", "token_prices"}
     return old.model_dump(exclude=keep) == new.model_dump(exclude=keep)
 
 
