@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from servefleet.api.budgets import COST_BUDGET_MESSAGE
 from servefleet.api.crd import crd_manifest
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_render import ResolvedSecretKeys, render_gateway_config
-from servefleet.api.llmdeployment import COST_BUDGET_MESSAGE
 from servefleet.gateway.budgets import Budget
 from servefleet.gateway.route_table import _scopes
 from tests.test_gateway_render import deployment, resolve

@@ -31,6 +31,18 @@ INSUFFICIENT_QUOTA = "insufficient_quota"
 BUDGET_USED_RATIO_METRIC = "servefleet_gateway_budget_used_ratio"
 
 
+# A cost budget is priced by its deployment's `tokenPrices` (pydantic and CEL alike).
+COST_BUDGET_MESSAGE = "a tenant with a cost budget needs spec.tokenPrices"
+_NO_COST = "(!has({0}) || (!has({0}.dailyCostBudgetUSD) && !has({0}.monthlyCostBudgetUSD)))"
+COST_BUDGET_CEL = (
+    "has(self.tokenPrices) || !has(self.tenants) || self.tenants.all(t, "
+    + _NO_COST.format("t.limits")
+    + " && "
+    + _NO_COST.format("t.modelLimits")
+    + ")"
+)
+
+
 def budget_header(period: BudgetPeriod, unit: BudgetUnit, what: str) -> str:
     """`x-servefleet-budget-<period>-<unit>-<what>`; `what` is remaining, used-ratio, reset."""
     return f"x-servefleet-budget-{period}-{unit}-{what}"

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
-from servefleet.api.budgets import TokenPrices
+from servefleet.api.budgets import COST_BUDGET_CEL, COST_BUDGET_MESSAGE, TokenPrices
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
 from servefleet.api.disaggregation import (
     DisaggregationSpec,
@@ -50,15 +50,6 @@ from servefleet.api.traffic import (
 
 API_GROUP = "servefleet.io"
 
-COST_BUDGET_MESSAGE = "a tenant with a cost budget needs spec.tokenPrices"
-_NO_COST = "(!has({0}) || (!has({0}.dailyCostBudgetUSD) && !has({0}.monthlyCostBudgetUSD)))"
-COST_BUDGET_CEL = (
-    "has(self.tokenPrices) || !has(self.tenants) || self.tenants.all(t, "
-    + _NO_COST.format("t.limits")
-    + " && "
-    + _NO_COST.format("t.modelLimits")
-    + ")"
-)
 API_VERSION = "v1alpha1"
 KIND = "LLMDeployment"
 PLURAL = "llmdeployments"
