@@ -61,6 +61,7 @@ EXPECTED: dict[tuple[str, str], set[str]] = {
     ("ServefleetNoReadyReplica", "deployment"): {"sick"},
     ("ServefleetEngineRestarting", "pod"): {"sick-engine-0"},
     ("ServefleetRedisDown", "pod"): {"servefleet-gateway-0"},
+    ("ServefleetTenantBudgetHigh", "tenant"): {"acme"},
     ("ServefleetAutoscalerNotActing", "deployment"): {"sick"},
 }
 
@@ -100,6 +101,10 @@ class Fleet:
         sick, healthy = self.gateways
         sick.limits_degraded.set(1)
         healthy.limits_degraded.set(0)
+        # 85 % of acme's daily cost budget used (another replica saw less); beta at 79 %.
+        sick.budget_used_ratio.labels("acme", "daily", "cost").set(0.85)
+        healthy.budget_used_ratio.labels("acme", "daily", "cost").set(0.6)
+        healthy.budget_used_ratio.labels("beta", "monthly", "tokens").set(0.79)
         sick.set_pool_gauges(
             DeploymentStats(name="sick", model="sick-model", queue_depth_interactive=5)
         )

@@ -45,6 +45,7 @@ EXPECTED = {
     "ServefleetNoReadyReplica",
     "ServefleetEngineRestarting",
     "ServefleetRedisDown",
+    "ServefleetTenantBudgetHigh",
     "ServefleetAutoscalerNotActing",
 }
 

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 
 from servefleet.bench.processes import free_port
+from servefleet.gateway.budgets import Budget
 from servefleet.gateway.limits import LimitPolicy, LimitScope, LocalLimiter, RequestTooLarge
 from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.limits_redis import RedisLimiter
+
+DAILY_100 = Budget("daily", "tokens", 100)
 
 
 class Clock:
@@ -59,14 +62,14 @@ async def test_windows_refill_and_429_says_when() -> None:
 async def test_concurrency_and_daily_budget() -> None:
     clock = Clock()
     limiter = LocalLimiter(clock=clock, wall_clock=clock)
-    scopes = _scope(max_concurrent=1, daily_tokens=100)
+    scopes = [LimitScope("t:acme", LimitPolicy(max_concurrent=1, budgets=(DAILY_100,)))]
     held = await limiter.reserve(scopes, 10)
     assert held.admitted and held.reservation is not None
     busy = await limiter.reserve(scopes, 10)
     assert busy.exceeded == "max_concurrent"
     await limiter.settle(held.reservation, 10)
     big = await limiter.reserve(scopes, 95)
-    assert big.exceeded == "daily_tokens"
+    assert big.exceeded == "budget"
     with pytest.raises(RequestTooLarge):
         await limiter.reserve(_scope(tokens_per_minute=50), 51)
 

@@ -1,9 +1,10 @@
-"""A Redis outage hands no tenant a second window or a second day (real redis-server).
+"""A Redis outage hands no tenant a second window or a second budget (real redis-server).
 
 Redis is killed and started again on the same port with its data kept (append-only file), as
 a crashed and restarted server would be. During the outage each gateway replica's local
 windows start from its share of the shared levels it last saw; afterwards what it used is
-written back. Daily budgets make the arithmetic exact (they do not refill).
+written back. Budgets are not spent at all while Redis is away (`limits_failover`), so the
+rule is exact: the budget holds across the outage, on every replica together.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from servefleet.bench.processes import free_port
+from servefleet.gateway.budgets import Budget
 from servefleet.gateway.limits import LimitDecision, LimitPolicy, LimitScope, LocalLimiter
 from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.limits_redis import RedisLimiter
 from tests.test_gateway_limits import start_redis
 
 DAILY = 1000
+DAY = (Budget("daily", "tokens", DAILY),)
 
 
 @dataclass
@@ -70,11 +74,11 @@ async def one(redis: Redis) -> AsyncIterator[FailoverLimiter]:
     await made.close()
 
 
-def scopes(**policy: int) -> list[LimitScope]:
+def scopes(**policy: Any) -> list[LimitScope]:
     return [LimitScope("t:acme", LimitPolicy(**policy))]
 
 
-async def spend(limiter: FailoverLimiter, tokens: int, **policy: int) -> LimitDecision:
+async def spend(limiter: FailoverLimiter, tokens: int, **policy: Any) -> LimitDecision:
     """Reserve `tokens` and, when admitted, settle having used all of them."""
     decision = await limiter.reserve(scopes(**policy), tokens)
     if decision.reservation is not None:
@@ -82,7 +86,7 @@ async def spend(limiter: FailoverLimiter, tokens: int, **policy: int) -> LimitDe
     return decision
 
 
-async def admitted_in_steps(limiter: FailoverLimiter, step: int, **policy: int) -> int:
+async def admitted_in_steps(limiter: FailoverLimiter, step: int, **policy: Any) -> int:
     """Tokens admitted in `step`-sized requests until one is refused."""
     total = 0
     while (await spend(limiter, step, **policy)).admitted:
@@ -90,22 +94,25 @@ async def admitted_in_steps(limiter: FailoverLimiter, step: int, **policy: int) 
     return total
 
 
-async def test_an_outage_starts_from_the_shared_day_and_writes_back(
+async def test_budgets_are_not_spent_while_redis_is_away(
     redis: Redis, one: FailoverLimiter
 ) -> None:
-    assert (await spend(one, 800, daily_tokens=DAILY)).admitted  # through Redis
+    assert (await spend(one, 800, budgets=DAY)).admitted  # through Redis
     redis.kill()
-    refused = await spend(one, 300, daily_tokens=DAILY)  # Redis is away: local, seeded
+    refused = await spend(one, 100, budgets=DAY)  # Redis is away: not spent blind
     assert one.degraded
-    assert not refused.admitted and refused.exceeded == "daily_tokens"  # 200 left, not 1000
-    assert (await spend(one, 150, daily_tokens=DAILY)).admitted
+    assert not refused.admitted and refused.exceeded == "budget_unavailable"
+    assert refused.retry_after_s > 0
+    # A tenant without a budget is still served from its local windows.
+    assert (await spend(one, 100, tokens_per_minute=6000)).admitted
     redis.start()
     await asyncio.sleep(0.1)  # past the back-off
-    # Back on Redis, with the 150 used meanwhile charged: 50 left of the day.
-    assert not (await spend(one, 100, daily_tokens=DAILY)).admitted
+    assert (await spend(one, 150, budgets=DAY)).admitted  # 200 were left: exactly that
     assert not one.degraded
-    assert (await spend(one, 50, daily_tokens=DAILY)).admitted
-    assert not (await spend(one, 1, daily_tokens=DAILY)).admitted
+    assert not (await spend(one, 100, budgets=DAY)).admitted
+    assert (await spend(one, 50, budgets=DAY)).admitted
+    refused = await spend(one, 1, budgets=DAY)
+    assert not refused.admitted and refused.exceeded == "budget"
 
 
 async def test_an_outage_starts_from_the_shared_minute_window(
@@ -121,7 +128,7 @@ async def test_an_outage_starts_from_the_shared_minute_window(
 
 
 async def test_refunds_redis_missed_are_written_back(redis: Redis, one: FailoverLimiter) -> None:
-    decision = await one.reserve(scopes(daily_tokens=DAILY), 600)  # Redis: 600 of the day
+    decision = await one.reserve(scopes(budgets=DAY), 600)  # Redis: 600 of the day
     assert decision.reservation is not None
     redis.kill()
     await one.settle(decision.reservation, 100)  # used 100; Redis cannot hear the refund
@@ -129,27 +136,26 @@ async def test_refunds_redis_missed_are_written_back(redis: Redis, one: Failover
     redis.start()
     await asyncio.sleep(0.1)
     # 600 reserved - 500 refunded = 100 of the day used: 900 left, not 400.
-    assert await admitted_in_steps(one, 100, daily_tokens=DAILY) == 900
+    assert await admitted_in_steps(one, 100, budgets=DAY) == 900
 
 
 async def test_two_replicas_never_double_a_daily_budget(redis: Redis) -> None:
     """The issue's attack: spend the day, wait for an outage, spend it again on every replica,
     and once more when Redis is back. Now: the day holds, across both replicas and after."""
     a, b = limiter(redis, 0.5, lease_ttl_s=0.3), limiter(redis, 0.5, lease_ttl_s=0.3)
-    loops = [asyncio.create_task(x.keep_leases()) for x in (a, b)]  # refresh the levels seen
+    loops = [asyncio.create_task(x.keep_leases()) for x in (a, b)]
     try:
-        assert (await spend(a, 200, daily_tokens=DAILY)).admitted
-        assert (await spend(b, 200, daily_tokens=DAILY)).admitted
-        await asyncio.sleep(0.5)  # a lease-loop round: each replica has seen 400 used
+        assert (await spend(a, 200, budgets=DAY)).admitted
+        assert (await spend(b, 200, budgets=DAY)).admitted
         redis.kill()
-        during = sum([await admitted_in_steps(x, 50, daily_tokens=DAILY) for x in (a, b)])
+        during = sum([await admitted_in_steps(x, 50, budgets=DAY) for x in (a, b)])
         assert a.degraded and b.degraded
-        assert during == 600  # each replica: half of the 600 left, not half of 1,000
+        assert during == 0  # neither replica can see what the other spends
         redis.start()
-        await asyncio.sleep(0.3)  # the lease loops ping it and write back
-        after = sum([await admitted_in_steps(x, 50, daily_tokens=DAILY) for x in (a, b)])
+        await asyncio.sleep(0.3)  # the lease loops ping it
+        after = sum([await admitted_in_steps(x, 50, budgets=DAY) for x in (a, b)])
         assert not a.degraded and not b.degraded
-        assert 400 + during + after == DAILY  # was 2,000 before write-back and seeding
+        assert 400 + during + after == DAILY
     finally:
         for task in loops:
             task.cancel()

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from servefleet.api.budgets import TokenPrices
 from servefleet.api.llmdeployment import (
     AdmissionSpec,
     PoolSpec,
@@ -203,6 +204,9 @@ class GatewayDeployment(ConfigModel):
     )
     spillover: SpilloverSpec | None = None
     spillover_api_key: SecretValueRef | None = None
+    token_prices: TokenPrices | None = Field(
+        default=None, description="Prices for tenants' cost budgets (`servefleet.api.budgets`)."
+    )
     engine_api_key: SecretValueRef | None = Field(
         default=None,
         description="Key the engines require (sent as a Bearer token); unset: engines are open.",
@@ -380,10 +384,17 @@ class GatewayConfig(ConfigModel):
         tenants = {t.name for t in self.tenants}
         if len(tenants) != len(self.tenants):
             raise ValueError("tenants: duplicate names")
+        costed = {t.name for t in self.tenants if t.limits.has_cost_budget}
         for deployment in self.deployments:
             for access in deployment.tenants:
                 if access.name not in tenants:
                     raise ValueError(
                         f"deployment {deployment.name}: tenant {access.name} is not in tenants"
+                    )
+                own = access.model_limits is not None and access.model_limits.has_cost_budget
+                if deployment.token_prices is None and (own or access.name in costed):
+                    raise ValueError(
+                        f"deployment {deployment.name}: tenant {access.name} has a cost budget "
+                        "but the deployment has no tokenPrices"
                     )
         return self

@@ -140,6 +140,7 @@ def render_gateway_config(
                 adapters=gateway_adapters,
                 spillover=enabled_spill,
                 spillover_api_key=_secret_value(key_source, spill_ref),
+                token_prices=dep.spec.token_prices,
                 engine_api_key=_secret_value(key_source, engine_key_ref),
                 prefill=_prefill_routing(
                     dep,

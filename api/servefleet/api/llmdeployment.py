@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
+from servefleet.api.budgets import COST_BUDGET_CEL, COST_BUDGET_MESSAGE, TokenPrices
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
 from servefleet.api.disaggregation import (
     DisaggregationSpec,
@@ -48,6 +49,7 @@ from servefleet.api.traffic import (
 )
 
 API_GROUP = "servefleet.io"
+
 API_VERSION = "v1alpha1"
 KIND = "LLMDeployment"
 PLURAL = "llmdeployments"
@@ -212,6 +214,7 @@ class LLMDeploymentSpec(ApiModel):
                     LOAD_QUANTIZATION_MESSAGE,
                 ),
                 *transfer_cel_rules(),
+                cel_rule(COST_BUDGET_CEL, COST_BUDGET_MESSAGE),
             ]
         }
     )
@@ -249,6 +252,11 @@ class LLMDeploymentSpec(ApiModel):
         description="Separate prefill and decode pools (the deployment's pool decodes); "
         "unset: each replica prefills and decodes (colocated).",
     )
+    token_prices: TokenPrices | None = Field(
+        default=None,
+        description="USD per million prompt / completion tokens of this model: what a "
+        "tenant's cost budget is charged for each request here.",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> LLMDeploymentSpec:
@@ -271,6 +279,12 @@ class LLMDeploymentSpec(ApiModel):
             raise ValueError(LOAD_QUANTIZATION_MESSAGE)
         if refused := transfer_refusal(self.engine.kind, self.disaggregation):
             raise ValueError(refused)
+        if self.token_prices is None and any(
+            t.limits.has_cost_budget
+            or (t.model_limits is not None and t.model_limits.has_cost_budget)
+            for t in self.tenants
+        ):
+            raise ValueError(COST_BUDGET_MESSAGE)
         return self
 
     def desired_replicas(self) -> int:

@@ -23,7 +23,30 @@ class TenantLimits(ApiModel):
     max_concurrent_requests: int | None = Field(
         default=None, ge=1, description="Requests in flight at once."
     )
-    daily_token_budget: int | None = Field(default=None, ge=1, description="Tokens per UTC day.")
+    daily_token_budget: int | None = Field(
+        default=None, ge=1, description="Tokens per UTC day (reserved at admission)."
+    )
+    monthly_token_budget: int | None = Field(
+        default=None, ge=1, description="Tokens per UTC calendar month (reserved at admission)."
+    )
+    daily_cost_budget_usd: float | None = Field(
+        default=None,
+        alias="dailyCostBudgetUSD",
+        gt=0,
+        le=1e9,
+        description="USD per UTC day, priced by the deployment's tokenPrices.",
+    )
+    monthly_cost_budget_usd: float | None = Field(
+        default=None,
+        alias="monthlyCostBudgetUSD",
+        gt=0,
+        le=1e9,
+        description="USD per UTC calendar month, priced by the deployment's tokenPrices.",
+    )
+
+    @property
+    def has_cost_budget(self) -> bool:
+        return self.daily_cost_budget_usd is not None or self.monthly_cost_budget_usd is not None
 
 
 class TenantSpec(ApiModel):

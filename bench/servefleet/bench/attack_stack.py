@@ -2,7 +2,8 @@
 real model, a gateway, Redis) with the defaults a deployment gets, plus who attacks whom.
 
 Tenants: `alpha` attacks with generous limits, `beta` is the victim, `mallory` attacks with a
-small token budget (1,000 tokens a minute) to show limits cannot be walked around. Engines
+small token budget (1,000 tokens a minute) to show limits cannot be walked around, `penny`
+with a small daily budget (400 tokens) to show a tenant cannot reset or raise its own. Engines
 require their key, as pods and local engines do, so a tenant cannot bypass the gateway.
 """
 
@@ -27,6 +28,8 @@ ATTACKER = "alpha"
 VICTIM = "beta"
 CAPPED_ATTACKER = "mallory"
 CAPPED_TOKENS_PER_MINUTE = 1_000
+BUDGETED = "penny"
+BUDGETED_DAILY_TOKENS = 400
 ENGINE_KEY = "sk-engine-attack-suite"
 SHAPE = StackShape(engines=2, gateways=1, max_num_seqs=4, max_queue_depth=16)
 
@@ -42,24 +45,30 @@ class AttackStack(Stack):
 
     def gateway_config(self) -> GatewayConfig:
         config = super().gateway_config()
-        capped = GatewayTenant(
-            name=CAPPED_ATTACKER,
-            api_keys=[ApiKeyRef(sha256=hash_api_key(api_key(CAPPED_ATTACKER)))],
-            limits=TenantLimits(tokens_per_minute=CAPPED_TOKENS_PER_MINUTE),
-        )
+        capped = [
+            GatewayTenant(
+                name=name,
+                api_keys=[ApiKeyRef(sha256=hash_api_key(api_key(name)))],
+                limits=limits,
+            )
+            for name, limits in (
+                (CAPPED_ATTACKER, TenantLimits(tokens_per_minute=CAPPED_TOKENS_PER_MINUTE)),
+                (BUDGETED, TenantLimits(daily_token_budget=BUDGETED_DAILY_TOKENS)),
+            )
+        ]
         key_file = self.workdir / "engine-key"
         key_file.write_text(ENGINE_KEY)
         deployments = [
             d.model_copy(
                 update={
                     "engine_api_key": SecretValueRef(file=str(key_file)),
-                    "tenants": [*d.tenants, TenantAccess(name=CAPPED_ATTACKER)],
+                    "tenants": [*d.tenants, *(TenantAccess(name=t.name) for t in capped)],
                 }
             )
             for d in config.deployments
         ]
         return config.model_copy(
-            update={"tenants": [*config.tenants, capped], "deployments": deployments}
+            update={"tenants": [*config.tenants, *capped], "deployments": deployments}
         )
 
     @property

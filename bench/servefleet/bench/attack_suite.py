@@ -69,6 +69,7 @@ _STACK = (
     serving.slow_bodies,
     serving.huge_priority,
     serving.prompts_times_n,
+    serving.budget_self_raise,
     serving.logit_bias_digits,
     serving.wrong_methods,
     serving.engine_bypass,

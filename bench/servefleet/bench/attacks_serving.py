@@ -18,13 +18,20 @@ from functools import partial
 import httpx
 import psutil
 
+from servefleet.api.budgets import budget_header
 from servefleet.api.kv_events import EVENTS_PATH
 from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH
 from servefleet.api.kv_warm import HOT_PATH, WARM_PATH
 from servefleet.bench import attack_payloads as payloads
 from servefleet.bench.attack_common import AttackResult, timed
 from servefleet.bench.attack_sockets import CutResult, slow_body
-from servefleet.bench.attack_stack import ATTACKER, CAPPED_ATTACKER, ENGINE_KEY, AttackStack
+from servefleet.bench.attack_stack import (
+    ATTACKER,
+    BUDGETED,
+    CAPPED_ATTACKER,
+    ENGINE_KEY,
+    AttackStack,
+)
 from servefleet.bench.fault_load import RequestSpec, closed_loop
 from servefleet.bench.fault_stack import api_key
 
@@ -207,6 +214,36 @@ def prompts_times_n(stack: AttackStack, result: AttackResult) -> None:
         (400, 429),  # 400: more than the whole limit, so it could never be admitted
     )
     result.outcome = _outcome(result)
+
+
+def budget_self_raise(stack: AttackStack, result: AttackResult) -> None:
+    """A tenant with a 400-token daily budget sends budget headers and fields to raise it.
+
+    Budget headers a tenant sends are not read and budget-like fields are a 400 naming them,
+    so once the budget is spent every request is a 429 insufficient_quota."""
+    forged = {
+        budget_header("daily", "tokens", "remaining"): "1000000",
+        budget_header("daily", "tokens", "used-ratio"): "0",
+        budget_header("daily", "tokens", "reset"): "1970-01-01T00:00:00Z",
+    }
+    headers = {**stack.tenant_headers(BUDGETED), **forged}
+    body = json.dumps(payloads.chat("Say hi.", max_tokens=8)).encode()
+
+    def chat(content: bytes = body) -> httpx.Response:
+        url = stack.url + "/v1/chat/completions"
+        return httpx.post(url, content=content, headers=headers, timeout=180.0)
+
+    served = 0
+    while (answer := chat()).status_code == 200 and served < 100:
+        served += 1
+    result.figures["served_before_429"] = served
+    result.require(_error(answer).get("code") == "insufficient_quota", answer.text[:200])
+    for field in ("budget", "daily_token_budget"):
+        raise_it = json.dumps(payloads.chat("Say hi.", **{field: 10**9})).encode()
+        _refused(result, field, partial(chat, raise_it), (400,), param=field)
+    last = _refused(result, "after", chat, (429,))
+    result.require(_error(last).get("code") == "insufficient_quota", last.text[:200])
+    result.outcome = f"{served} served, then " + _outcome(result)
 
 
 def logit_bias_digits(stack: AttackStack, result: AttackResult) -> None:

@@ -51,9 +51,13 @@ class Call:
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""
+        return sum(self.used_split(reserved))
+
+    def used_split(self, reserved: int) -> tuple[int, int]:
+        """(prompt, completion) tokens to settle with (a cost budget prices them apart)."""
         if self.used is not None:
-            return self.used.prompt_tokens + self.used.completion_tokens
+            return self.used.prompt_tokens, self.used.completion_tokens
         if not self.first_byte:
-            return 0  # nothing was served: give everything back
+            return 0, 0  # nothing was served: give everything back
         # A stream that broke before its usage chunk: prompt plus one token per event.
-        return min(reserved, self.prompt_tokens + self.events)
+        return self.prompt_tokens, max(0, min(reserved - self.prompt_tokens, self.events))

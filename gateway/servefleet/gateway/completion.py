@@ -17,6 +17,13 @@ from collections.abc import Callable
 from servefleet.api.openai_errors import OpenAIError, error_bytes
 from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
+from servefleet.gateway.budget_replies import (
+    budget_headers,
+    exhausted_body,
+    record_budgets,
+    unavailable_body,
+)
+from servefleet.gateway.budgets import Spend
 from servefleet.gateway.call import Call
 from servefleet.gateway.call_outcome import recorded
 from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
@@ -90,13 +97,15 @@ class CompletionHandler:
                 await self._serve(call, send, receive)
         finally:  # after the outcome is counted: settling may wait for Redis
             if reservation is not None:
-                await self._limiter.settle(reservation, call.used_tokens(reservation.tokens))
+                used = Spend.priced(call.route.prices, *call.used_split(reservation.tokens))
+                await self._limiter.settle(reservation, used.tokens, used.micro_usd)
 
     async def _reserve(self, call: Call, send: Send) -> tuple[bool, Reservation | None]:
-        """Reserve the call's tokens and a request; False when a 429 was sent instead."""
+        """Reserve the call's tokens and a request; False when a 429 or 503 was sent."""
         route = call.route
+        asked = Spend.priced(route.prices, call.prompt_tokens, call.tokens - call.prompt_tokens)
         try:
-            decision = await self._limiter.reserve(route.scopes, call.tokens)
+            decision = await self._limiter.reserve(route.scopes, call.tokens, asked.micro_usd)
         except RequestTooLarge as exc:
             raise OpenAIError(
                 status=400,
@@ -105,9 +114,20 @@ class CompletionHandler:
                 param="max_tokens",
                 headers={"x-should-retry": "false"},
             ) from None
-        call.rl_headers = ratelimit_headers(decision.snapshot)
+        call.rl_headers = ratelimit_headers(decision.snapshot) + budget_headers(decision)
+        record_budgets(self._metrics, route.tenant, decision)
         if decision.admitted:
             return True, decision.reservation
+        exhausted = decision.exhausted
+        if exhausted is not None or decision.exceeded == "budget_unavailable":
+            status, body = (
+                (429, exhausted_body(route.tenant, exhausted))
+                if exhausted is not None
+                else (503, unavailable_body(route.tenant, decision.retry_after_s))
+            )
+            headers = call.rl_headers + retry_headers(decision.retry_after_s)
+            await respond(send, status, body, headers=headers)
+            return False, None
         kind = "requests" if decision.exceeded == "requests_per_minute" else "tokens"
         await respond(
             send,

@@ -1,4 +1,4 @@
-"""Limits that survive a Redis outage without handing anyone a second window or a second day.
+"""Limits that survive a Redis outage without handing anyone a second window or budget.
 
 `FailoverLimiter` uses the shared `RedisLimiter` while Redis answers; while it does not, each
 gateway replica enforces its share (1/N) of every limit locally and retries Redis after a
@@ -14,12 +14,21 @@ the outage from doubling a tenant's limits:
   the refunds Redis missed) are charged to the shared windows and the day's counter when Redis
   is back, before the next reservation there: windows may go into debt and refill from it.
 
-The bound: with one gateway replica a tenant gets no more than its limits across an outage;
-with several, a window can be exceeded during the outage only by what the tenant was admitted
-through other replicas since a replica last saw the scope (at most one refresh period, 10 s),
-and that excess, like everything used locally, is charged when Redis returns, so the daily
-budget is exceeded by at most that excess and never doubled. (A fresh window, as before this,
-gave every replica a whole share again, and nothing used was ever written back.)
+- **Budgets are not spent blind.** A scope with a budget (tokens or cost per day or month) is
+  refused while Redis is unreachable (`budget_unavailable`, a 503 with Retry-After), because a
+  replica cannot know what the others spent since it last looked: a share of a stale level
+  would let N replicas pass the budget together. Refunds of reservations made in Redis whose
+  settlement failed are given back when it returns.
+
+The bounds: with one gateway replica a tenant gets no more than its windows across an
+outage; with several, a window can be exceeded during the outage only by what the tenant was
+admitted through other replicas since a replica last saw the scope (at most one refresh
+period, 10 s), and that excess, like everything used locally, is charged when Redis returns.
+A budget is only ever charged in Redis, atomically, whole reservation first: across gateway
+restarts (its state is only in Redis; a reservation a dead gateway never settled stays
+charged in full), outages and failovers that keep Redis' data, a tenant passes a budget by at
+most one request's reservation (a request whose real usage exceeds what was reserved — the
+engine counted more prompt tokens than the gateway — is settled at what it used).
 """
 
 from __future__ import annotations
@@ -30,13 +39,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from servefleet.gateway.budgets import BudgetCharge
 from servefleet.gateway.limits import (
     LimitDecision,
     LimitPolicy,
     LimitScope,
+    LimitSnapshot,
     LocalLimiter,
     Reservation,
     ScopeLevels,
+    Spend,
 )
 from servefleet.gateway.limits_redis import Debt, RedisLimiter, RedisUnavailable
 
@@ -84,7 +96,8 @@ class FailoverLimiter:
         self._scaled: dict[LimitPolicy, LimitPolicy] = {}
         self._known: dict[str, LimitScope] = {}  # by key: the scopes whose levels are kept
         self._seen: dict[str, _Seen] = {}
-        self._debts: dict[tuple[str, int], Debt] = {}  # (scope key, day) -> not yet charged
+        self._debts: dict[str, Debt] = {}  # scope key -> not yet charged
+        self._refunds: dict[str, tuple[BudgetCharge, int]] = {}  # budget key -> owed to it
         self._full_scopes: dict[str, tuple[LimitScope, ...]] = {}  # local reservation id ->
 
     # -- Redis state -----------------------------------------------------------------------
@@ -111,23 +124,36 @@ class FailoverLimiter:
             self._backoff = self._min_backoff
 
     async def _write_back(self) -> None:
-        """Charge what was used locally to Redis; raises RedisUnavailable (kept for later)."""
-        if not self._debts:
-            return
-        debts, self._debts = self._debts, {}
-        try:
-            await self.primary.debit(list(debts.values()))
-        except RedisUnavailable:
-            for debt in debts.values():  # new debts may have come meanwhile: add, not replace
-                self._owe(debt.scope, debt.day, debt.requests, debt.tokens)
-            raise
+        """Charge what was used locally to Redis and give budgets their missed refunds;
+        raises RedisUnavailable (what was not written is kept for later)."""
+        if self._debts:
+            debts, self._debts = self._debts, {}
+            try:
+                await self.primary.debit(list(debts.values()))
+            except RedisUnavailable:
+                for debt in debts.values():  # new debts may have come meanwhile: add
+                    self._owe(debt.scope, debt.requests, debt.tokens)
+                raise
+        if self._refunds:
+            refunds, self._refunds = self._refunds, {}
+            try:
+                await self.primary.refund(list(refunds.values()))
+            except RedisUnavailable:
+                for charge, back in refunds.values():
+                    self._give_back(charge, back)
+                raise
 
-    def _owe(self, scope: LimitScope, day: int, requests: int, tokens: int) -> None:
-        debt = self._debts.get((scope.key, day))
+    def _owe(self, scope: LimitScope, requests: int, tokens: int) -> None:
+        debt = self._debts.get(scope.key)
         if debt is None:
-            debt = self._debts[(scope.key, day)] = Debt(scope, day)
+            debt = self._debts[scope.key] = Debt(scope)
         debt.requests += requests
         debt.tokens += tokens
+
+    def _give_back(self, charge: BudgetCharge, back: int) -> None:
+        key = self.primary.budget_key(charge)
+        _, owed = self._refunds.get(key, (charge, 0))
+        self._refunds[key] = (charge, owed + back)
 
     def _remember(self, scopes: Sequence[LimitScope], observed: Sequence[ScopeLevels]) -> None:
         now = self._clock()
@@ -139,11 +165,13 @@ class FailoverLimiter:
             self._known[scope.key] = scope
 
     # -- the Limiter interface -------------------------------------------------------------
-    async def reserve(self, scopes: Sequence[LimitScope], tokens: int) -> LimitDecision:
+    async def reserve(
+        self, scopes: Sequence[LimitScope], tokens: int, micro_usd: int = 0
+    ) -> LimitDecision:
         if not self.degraded or self._clock() >= self._retry_at:
             try:
                 await self._write_back()
-                decision = await self.primary.reserve(scopes, tokens)
+                decision = await self.primary.reserve(scopes, tokens, micro_usd)
             except RedisUnavailable as exc:
                 self._failed("reserve", exc)
             else:
@@ -153,13 +181,16 @@ class FailoverLimiter:
         return self._reserve_locally(scopes, tokens)
 
     def _reserve_locally(self, scopes: Sequence[LimitScope], tokens: int) -> LimitDecision:
+        if any(scope.policy.budgets for scope in scopes):  # see the module's docstring
+            wait = max(self._retry_at - self._clock(), self._min_backoff)
+            return LimitDecision(False, LimitSnapshot(), None, wait, "budget_unavailable")
         local = self._local_scopes(scopes)
         decision = self.fallback.reserve_now(local, tokens)
         reservation = decision.reservation
         if reservation is not None:
             self._full_scopes[reservation.id] = tuple(scopes)
             for scope in scopes:
-                self._owe(scope, reservation.day, 1, tokens)
+                self._owe(scope, 1, tokens)
         return decision
 
     def _local_scopes(self, scopes: Sequence[LimitScope]) -> list[LimitScope]:
@@ -177,39 +208,37 @@ class FailoverLimiter:
     def _seed(self, scope: LimitScope, local: LimitScope) -> None:
         """`local`'s windows from this replica's share of the shared levels it last saw."""
         seen = self._seen.get(scope.key)
-        levels = None if seen is None else self._share_of(seen.levels, scope.policy, local.policy)
+        levels = None if seen is None else self._share_of(seen.levels)
         since = self._clock() if seen is None else seen.at
         live = self.primary.leases_on(scope) if local.policy.max_concurrent else []
         self.fallback.seed(local, levels, since, live)
 
-    def _share_of(self, levels: ScopeLevels, full: LimitPolicy, local: LimitPolicy) -> ScopeLevels:
+    def _share_of(self, levels: ScopeLevels) -> ScopeLevels:
         share = self._share
-        day_used = None
-        if levels.day_used is not None and full.daily_tokens and local.daily_tokens:
-            left = max(0, full.daily_tokens - levels.day_used)
-            day_used = max(0, local.daily_tokens - int(left * share))
         return ScopeLevels(
             None if levels.requests is None else levels.requests * share,
             None if levels.tokens is None else levels.tokens * share,
-            day_used,
-            levels.day,
         )
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+    async def settle(
+        self, reservation: Reservation, used_tokens: int, used_micro_usd: int = 0
+    ) -> None:
         refund = reservation.tokens - used_tokens
         if reservation.limiter is self.fallback:
             # Settled where it was made (the scaled scopes); the refund lowers the debt.
-            self.fallback.settle_now(reservation, used_tokens)
+            self.fallback.settle_now(reservation, used_tokens, used_micro_usd)
             for scope in self._full_scopes.pop(reservation.id, ()):
-                self._owe(scope, reservation.day, 0, -refund)
+                self._owe(scope, 0, -refund)
             return
         self.fallback.forget(reservation.id)  # a slot the outage's windows counted
         try:
-            await self.primary.settle(reservation, used_tokens)
+            await self.primary.settle(reservation, used_tokens, used_micro_usd)
         except RedisUnavailable as exc:
-            # The concurrency lease expires on its own; the refund is written back later.
+            # The concurrency lease expires on its own; the refunds are written back later.
             for scope in reservation.scopes:
-                self._owe(scope, reservation.day, 0, -refund)
+                self._owe(scope, 0, -refund)
+            for charge, back in reservation.refunds(Spend(used_tokens, used_micro_usd)):
+                self._give_back(charge, back)
             self._failed("settle", exc)
 
     async def keep_leases(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from servefleet.api.budgets import BUDGET_USED_RATIO_METRIC
 from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.outcomes import Outcome
 
@@ -96,6 +97,13 @@ class GatewayMetrics:
         )
         self.ejections = self._counter(
             "replica_ejections", "Replicas ejected after a failure.", ["model"]
+        )
+        self.budget_used_ratio = Gauge(
+            BUDGET_USED_RATIO_METRIC,
+            "Share of a tenant's budget used this period (its tightest scope), as this "
+            "replica last saw it when the tenant reserved.",
+            ["tenant", "period", "unit"],
+            registry=self.registry,
         )
         self._children: dict[tuple[str, str], TenantModelMetrics] = {}
 

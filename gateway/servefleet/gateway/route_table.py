@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from servefleet.api.budgets import TokenPrices
 from servefleet.api.gateway_config import (
     GatewayAdapter,
     GatewayConfig,
@@ -21,6 +22,7 @@ from servefleet.api.gateway_config import (
 )
 from servefleet.api.llmdeployment import TenantLimits
 from servefleet.gateway.auth import KeyRing
+from servefleet.gateway.budgets import budgets_of
 from servefleet.gateway.limits import Limiter, LimitPolicy, LimitScope, LocalLimiter
 from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.limits_redis import RedisLimiter
@@ -56,6 +58,7 @@ class TenantRoute:
     metrics: TenantModelMetrics
     spill: SpillTarget | None
     adapter: GatewayAdapter | None = None  # a LoRA adapter on the pool's base model
+    prices: TokenPrices | None = None  # what a cost budget is charged (the deployment's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +112,9 @@ def plan_pools(
 
 
 def _same_pool(old: GatewayDeployment, new: GatewayDeployment) -> bool:
-    """True when only the tenants' access or the adapters changed: the pool can stay."""
-    keep = {"tenants", "adapters"}
+    """True when only the tenants' access, the adapters or the prices changed: the pool can
+    stay (prices are read from the route, rebuilt with every table)."""
+    keep = {"tenants", "adapters", "token_prices"}
     return old.model_dump(exclude=keep) == new.model_dump(exclude=keep)
 
 
@@ -155,6 +159,7 @@ def build_route_table(
                     metrics.for_tenant(access.name, model),
                     spill if adapter is None else None,  # the hosted API has no fine-tune
                     adapter,
+                    deployment.token_prices,
                 )
                 parent = None if adapter is None else deployment.model
                 models[access.name].append(ModelCard(model, parent))
@@ -180,7 +185,7 @@ def _policy(limits: TenantLimits) -> LimitPolicy:
         requests_per_minute=limits.requests_per_minute,
         tokens_per_minute=limits.tokens_per_minute,
         max_concurrent=limits.max_concurrent_requests,
-        daily_tokens=limits.daily_token_budget,
+        budgets=budgets_of(limits),
     )
 
 
