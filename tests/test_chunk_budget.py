@@ -179,7 +179,7 @@ def test_off_schedules_exactly_as_without_a_budget() -> None:
     """Same random workload through a scheduler without a chunk budget and one with the
     flag off: the same steps, chunk for chunk."""
 
-    def trace(s: Scheduler) -> list[list[tuple[int, int, int]]]:
+    def trace(s: Scheduler) -> list[list[tuple[int, int, int, int]]]:
         rng, steps, t = random.Random(3), [], 0.0
         for i in range(300):
             if rng.random() < 0.2:
@@ -187,22 +187,18 @@ def test_off_schedules_exactly_as_without_a_budget() -> None:
                 s.add(seq(rng.randint(1, 900), i, rng.randint(1, 30), t))
             if s.num_unfinished:
                 out = step(s)
-                steps.append(
-                    [
-                        (c.seq.seq_id % 10_000, c.num_new_tokens, c.num_computed_before)
-                        for c in out.chunks
-                    ]
-                )
+                chunks = [
+                    (c.seq.num_prompt_tokens, c.num_new_tokens, c.num_computed_before)
+                    for c in out.chunks
+                ]
+                steps.append([(len(out.decodes), *chunk) for chunk in chunks])
         return steps
 
-    Sequence_ids = [
-        trace(make(None)),
-        trace(make(chunk_budget_for(DecodeStepTarget(), trained(), BS))),
-    ]
-    a, b = Sequence_ids
-    assert len(a) == len(b) and all(len(x) == len(y) for x, y in zip(a, b, strict=True))
-    norm = [[[(n, before) for _, n, before in st] for st in tr] for tr in (a, b)]
-    assert norm[0] == norm[1]
+    assert chunk_budget_for(DecodeStepTarget(), trained(), BS) is None  # what off builds
+    today = trace(make(None))
+    assert any(len(st) > 1 and st[-1][2] > 1 for st in today)  # prompts beside decodes
+    assert today == trace(make(ChunkBudget(trained(), DecodeStepTarget(), BS)))
+    assert today != trace(make(ChunkBudget(trained(), DecodeStepTarget(seconds=0.01), BS)))
 
 
 @pytest.mark.parametrize(
