@@ -24,7 +24,9 @@ DECODE = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-async def first_token_then_rest(built: BuiltEngine, prompt: list[int], started: asyncio.Event):
+async def first_token_then_rest(
+    built: BuiltEngine, prompt: list[int], started: asyncio.Event
+) -> list[int]:
     """Greedy tokens of `prompt`; `started` is set once its first token arrived."""
     tokens: list[int] = []
     async for outs in built.engine.generate(EngineRequest(new_id("t"), prompt, DECODE)):
@@ -78,7 +80,7 @@ def long_chunks(steps: list[SchedulerOutput], length: int) -> list[tuple[int, in
     ]
 
 
-def test_a_long_prompt_beside_decodes_is_chunked_and_answers_do_not_change(smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_a_long_prompt_beside_decodes_is_chunked_and_answers_do_not_change(smollm2: Any) -> None:
     length = len(smollm2.tokenizer.encode(LONG, add_special_tokens=False))
     assert length > 64
     plain, plain_steps = run(smollm2)

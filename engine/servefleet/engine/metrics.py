@@ -6,6 +6,7 @@ live in one test process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -135,11 +136,15 @@ class EngineMetrics:
 
     def export_step_cost(self, model: StepCostModel, budget: ChunkBudget | None) -> None:
         """The model's coefficients and, with a decode-step target, the chunk it chose."""
+
+        def coefficient(term: str) -> Callable[[], float]:
+            return lambda: model.coefficients[term]
+
         for term in STEP_COST_TERMS:
             child = self.step_cost.labels(
                 **{"model_name": self.model_name, STEP_COST_TERM_LABEL: term}
             )
-            child.set_function(lambda term=term: model.coefficients[term])
+            child.set_function(coefficient(term))
         if budget is not None:
             self.prompt_chunk_tokens.set_function(lambda: budget.last_chunk_tokens)
             self.decode_step_target.set_function(lambda: budget.last_target_seconds)
