@@ -17,6 +17,7 @@ from typing import Literal, get_args
 from servefleet.api.kv_cache import KVCacheDtype
 from servefleet.api.load_quantization import LoadQuantization
 from servefleet.api.matmul_dtype import MatmulDtype
+from servefleet.api.step_cost import AUTO_TARGET_FACTOR
 
 API_KEY_ENV = "SERVEFLEET_API_KEY"
 """The env var our engine reads its key from when `--api-key` is unset (the operator fills it
@@ -215,6 +216,17 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         kind=int,
         default=512,
         minimum=1,
+    ),
+    EngineFlag(
+        "max_decode_step_ms",
+        "scheduling",
+        "while sequences decode, a step takes only the prompt tokens the engine's measured "
+        "step-cost model predicts fit in this many ms (at least one KV block per step, so "
+        f"prompts progress); auto: {AUTO_TARGET_FACTOR:g}x the predicted pure-decode step; "
+        "off or 0: prompt chunks up to --max-num-batched-tokens (with no decode running a "
+        "prompt always gets the full budget)",
+        default="off",
+        metavar="MS|auto|off",
     ),
     EngineFlag(
         "max_queue_depth",

@@ -25,6 +25,7 @@ from servefleet.api.matmul_dtype import MatmulDtype
 from servefleet.api.quantity import parse_memory_size
 from servefleet.api.replica_endpoints import IPNetwork, parse_networks
 from servefleet.api.speculative import SpeculativeConfig
+from servefleet.api.step_cost import DecodeStepTarget, parse_decode_step_target
 
 
 def peer_networks(value: str) -> tuple[IPNetwork, ...]:
@@ -78,6 +79,7 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDtype = knob("kv_cache_dtype")
     max_num_seqs: int = knob("max_num_seqs")
     max_num_batched_tokens: int = knob("max_num_batched_tokens")
+    max_decode_step_ms: str = knob("max_decode_step_ms")
     max_queue_depth: int = knob("max_queue_depth")
     max_model_len: int | None = knob("max_model_len")
     enable_prefix_caching: bool = knob("enable_prefix_caching")
@@ -106,6 +108,16 @@ class EngineConfig(BaseModel):
     @property
     def peer_networks(self) -> tuple[IPNetwork, ...]:
         return peer_networks(self.kv_peer_networks)
+
+    @field_validator("max_decode_step_ms")
+    @classmethod
+    def _decode_step_target(cls, value: str) -> str:
+        parse_decode_step_target(value)
+        return value
+
+    @property
+    def decode_step_target(self) -> DecodeStepTarget:
+        return parse_decode_step_target(self.max_decode_step_ms)
 
     @field_validator("kv_cache_memory")
     @classmethod

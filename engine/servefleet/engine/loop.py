@@ -28,6 +28,7 @@ from servefleet.engine.sampler import TokenLogprobs
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler
 from servefleet.engine.sequence import FinishReason, Sequence
+from servefleet.engine.step_cost import StepCostModel
 from servefleet.text.tokenizer import Tokenizer
 
 log = logging.getLogger("servefleet.engine")
@@ -116,6 +117,7 @@ class Engine:
         tokenizer: Tokenizer,
         metrics: EngineMetrics,
         stall_timeout: float = 120.0,
+        step_cost: StepCostModel | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -139,6 +141,9 @@ class Engine:
         self.num_in_flight_seqs = 0  # their sequences (n per request)
         self.prompt_rate = Ewma(0.0)  # tokens/s of steps of PROMPT_RATE_TOKENS+ (kv_puller)
         self.step_time = Ewma(0.0)  # seconds a step takes: how long an Engine.call may wait
+        # What each kind of row costs, from every step (the scheduler's chunk budget reads it).
+        self.step_cost = step_cost or StepCostModel()
+        metrics.export_step_cost(self.step_cost, scheduler.chunk_budget)
         # KV cache events: the pool records, the loop publishes only what has been written.
         self.kv_events = KVEventLog()
         self._kv_sink = KVEventSink()
@@ -338,6 +343,7 @@ class Engine:
         self.in_step_since = None
         self.metrics.step_seconds.observe(now - started)
         self.step_time.update(now - started)
+        self.step_cost.observe(out.step_shape, now - started)
         self.metrics.step_tokens.observe(out.num_batched_tokens)
         if out.num_batched_tokens >= PROMPT_RATE_TOKENS:
             self.prompt_rate.update(out.num_batched_tokens / max(now - started, 1e-6))

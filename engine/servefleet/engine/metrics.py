@@ -6,16 +6,26 @@ live in one test process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from servefleet.api.kv_cache import KV_CACHE_BYTES_PER_TOKEN_METRIC, KV_CACHE_DTYPE_LABEL
+from servefleet.api.step_cost import (
+    DECODE_STEP_TARGET_METRIC,
+    PROMPT_CHUNK_METRIC,
+    STEP_COST_METRIC,
+    STEP_COST_TERM_LABEL,
+    STEP_COST_TERMS,
+)
 from servefleet.engine.kv_metrics import KVTransferMetrics
 from servefleet.engine.lora.metrics import LoraMetrics
 
 if TYPE_CHECKING:
+    from servefleet.engine.chunk_budget import ChunkBudget
     from servefleet.engine.spec.stats import SpecDecodeStats
+    from servefleet.engine.step_cost import StepCostModel
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -63,6 +73,20 @@ class EngineMetrics:
             "Tokens in one engine step.",
             (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
         )
+        # The step-cost model (`step_cost`) and the prompt chunk it chose beside decodes.
+        self.step_cost = Gauge(
+            STEP_COST_METRIC,
+            "Fitted step cost: seconds per unit of each term of the step-cost model.",
+            [*labels, STEP_COST_TERM_LABEL],
+            registry=r,
+        )
+        self.prompt_chunk_tokens = gauge(
+            PROMPT_CHUNK_METRIC, "Prompt tokens of the last step with decodes running."
+        )
+        self.decode_step_target = gauge(
+            DECODE_STEP_TARGET_METRIC,
+            "Step-time target of the last step with decodes running (0: no target).",
+        )
         self.requests_finished = Counter(
             "servefleet_engine_requests_finished",
             "Finished requests by reason.",
@@ -109,6 +133,21 @@ class EngineMetrics:
         self.kv_bytes_per_token.labels(
             **{"model_name": self.model_name, KV_CACHE_DTYPE_LABEL: cache_dtype}
         ).set(bytes_per_token)
+
+    def export_step_cost(self, model: StepCostModel, budget: ChunkBudget | None) -> None:
+        """The model's coefficients and, with a decode-step target, the chunk it chose."""
+
+        def coefficient(term: str) -> Callable[[], float]:
+            return lambda: model.coefficients[term]
+
+        for term in STEP_COST_TERMS:
+            child = self.step_cost.labels(
+                **{"model_name": self.model_name, STEP_COST_TERM_LABEL: term}
+            )
+            child.set_function(coefficient(term))
+        if budget is not None:
+            self.prompt_chunk_tokens.set_function(lambda: budget.last_chunk_tokens)
+            self.decode_step_target.set_function(lambda: budget.last_target_seconds)
 
     def finished(self, reason: str) -> None:
         self.requests_finished.labels(model_name=self.model_name, finished_reason=reason).inc()

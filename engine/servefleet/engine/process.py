@@ -17,6 +17,7 @@ import torch
 
 from servefleet.api.quantity import parse_memory_size
 from servefleet.engine.attention import PagedAttention
+from servefleet.engine.chunk_budget import chunk_budget_for
 from servefleet.engine.config import EngineConfig, EngineSettingsError
 from servefleet.engine.http_server import EngineHttpServer
 from servefleet.engine.kernels import (
@@ -50,6 +51,7 @@ from servefleet.engine.server import build_app
 from servefleet.engine.serving_state import ServingState
 from servefleet.engine.spec.draft_setup import build_draft_proposer
 from servefleet.engine.spec.speculator import Speculator
+from servefleet.engine.step_cost import StepCostModel
 from servefleet.text.builtin import UnknownModelError
 from servefleet.text.chat_template import ChatTemplate
 
@@ -272,6 +274,7 @@ def build_engine(
         config.enable_prefix_caching,
     )
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    step_cost = StepCostModel()
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -281,13 +284,12 @@ def build_engine(
         kv,
         loaded.tokenizer.eos_token_ids,
         build_speculator(config, loaded, (num_blocks, dtype), draft),
+        chunk_budget_for(config.decode_step_target, step_cost, config.block_size),
     )
     runner = ModelRunner(loaded.model, layer_views(storage), config.block_size, device)
     metrics = EngineMetrics(config.name)
     metrics.set_kv_cache_layout(str(dtype).removeprefix("torch."), per_block // config.block_size)
-    engine = Engine(
-        scheduler, runner, loaded.tokenizer, metrics, stall_timeout=config.stall_timeout
-    )
+    engine = Engine(scheduler, runner, loaded.tokenizer, metrics, config.stall_timeout, step_cost)
     state = ServingState(
         engine=engine,
         tokenizer=loaded.tokenizer,

@@ -13,9 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from servefleet.engine.chunk_budget import ChunkBudget, PromptAllowance
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.sequence import FinishReason, Sequence, SequenceStatus
 from servefleet.engine.spec.stats import SpecDecodeStats
+from servefleet.engine.step_cost import StepShape
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,13 @@ class SchedulerOutput:
         return decode_rows + sum(c.num_new_tokens for c in self.prefills)
 
     @property
+    def step_shape(self) -> StepShape:
+        """What the step-cost model reads of this step."""
+        decode_rows = sum(1 + len(c.draft_token_ids) for c in self.decodes)
+        chunks = ((c.num_new_tokens, c.num_computed_before) for c in self.prefills)
+        return StepShape.of(decode_rows, chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
@@ -89,8 +98,10 @@ class Scheduler:
         kv_cache: KVCacheManager,
         eos_token_ids: Iterable[int],
         speculator: Speculator | None = None,
+        chunk_budget: ChunkBudget | None = None,
     ) -> None:
         self.config = config
+        self.chunk_budget = chunk_budget  # None: prompt chunks up to the token budget
         self.kv_cache = kv_cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.speculator = speculator
@@ -135,16 +146,52 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledChunk] = []
-
         # Running sequences first, best priority first, so preemption takes the tail:
         # the lowest-priority, latest-arrived sequence.
         self.running.sort(key=Sequence.sort_key)
+        allowance = self._prompt_allowance()
+        scheduled: list[ScheduledChunk] = []
+        budget = self._schedule_running(out, scheduled, allowance)
+        # Then waiting prompts, unless this step already had to preempt.
+        if not out.preempted:
+            self._schedule_waiting(scheduled, budget, allowance)
+        if self.chunk_budget is not None:
+            self.chunk_budget.record(allowance)
+
+        for chunk in scheduled:  # a prefill-only chunk is never a decode (no proposals)
+            decode = chunk.num_new_tokens == 1 and not chunk.seq.prefill_only
+            (out.decodes if decode else out.prefills).append(chunk)
+        if self.speculator is not None and out.decodes:
+            self.speculator.attach_drafts(out, self.kv_cache, self.config)
+        return out
+
+    def _prompt_allowance(self) -> PromptAllowance | None:
+        """With `chunk_budget`, the step's prompt tokens beside the running decodes, which
+        keep their rows: prompt tokens get only what the token budget leaves after them."""
+        if self.chunk_budget is None:
+            return None
+        decodes = sum(1 for seq in self.running if _decodes_next(seq))
+        limit = self.config.max_num_batched_tokens - decodes
+        return self.chunk_budget.allowance(decodes, limit)
+
+    def _schedule_running(
+        self,
+        out: SchedulerOutput,
+        scheduled: list[ScheduledChunk],
+        allowance: PromptAllowance | None,
+    ) -> int:
+        """Schedule running sequences (preempting from the tail when KV runs out); return
+        the token budget left."""
+        budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if allowance is not None and not _decodes_next(seq):
+                num_new = allowance.take(num_new, seq.num_computed_tokens)
+                if not num_new:  # a prompt past this step's allowance waits for the next
+                    i += 1
+                    continue
             before = seq.num_computed_tokens
             while not self.kv_cache.allocate(seq, num_new, []):
                 victim = self.running[-1]
@@ -156,18 +203,20 @@ class Scheduler:
                 scheduled.append(ScheduledChunk(seq, num_new, before))
                 budget -= num_new
                 i += 1
+        return budget
 
-        # Then waiting prompts, unless this step already had to preempt.
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+    def _schedule_waiting(
+        self, scheduled: list[ScheduledChunk], budget: int, allowance: PromptAllowance | None
+    ) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.kv_cache.find_cached_prefix(seq)
             hit_tokens = len(cached) * self.kv_cache.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - hit_tokens, budget)
+            if allowance is not None:
+                num_new = allowance.take(num_new, seq.num_computed_tokens + hit_tokens)
+                if not num_new:
+                    break
             if not self.kv_cache.allocate(seq, num_new, cached):
                 break
             self.kv_cache.record_lookup(seq, hit_tokens)
@@ -176,13 +225,6 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledChunk(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
-
-        for chunk in scheduled:  # a prefill-only chunk is never a decode (no proposals)
-            decode = chunk.num_new_tokens == 1 and not chunk.seq.prefill_only
-            (out.decodes if decode else out.prefills).append(chunk)
-        if self.speculator is not None and out.decodes:
-            self.speculator.attach_drafts(out, self.kv_cache, self.config)
-        return out
 
     def update(self, out: SchedulerOutput, sampled: Mapping[int, list[int]]) -> list[Sequence]:
         """Advance computed counters, append sampled tokens (by seq_id); return newly finished.
@@ -230,3 +272,8 @@ class Scheduler:
         if seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _decodes_next(seq: Sequence) -> bool:
+    """The sequence's next chunk is one decode row (prompt fully computed)."""
+    return seq.num_tokens - seq.num_computed_tokens == 1 and not seq.prefill_only
