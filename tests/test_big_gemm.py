@@ -14,6 +14,7 @@ import torch
 
 from servefleet.engine.kernels import SMALL_MM_MAX_ROWS, SmallRowsMatmul
 from servefleet.engine.kernels.cpu_small_gemm import CpuSmallGemm, load_cpu_small_gemm
+from servefleet.engine.kernels.matmul import DENSE_BLOCKED_ROWS
 from servefleet.engine.kernels.packed_weights import pack, unpack
 from tests.test_packed_weights import K_QUANTS, LEGACY, gguf_weight
 from tests.test_small_gemm import gemm  # noqa: F401  (the fixture: every kernel build)
@@ -69,7 +70,7 @@ def test_packed_rows_are_the_few_row_kernels_bits(gemm: CpuSmallGemm, type_name:
         for m in ROWS:
             x = x_all[:m].contiguous()
             big = gemm.packed_mm(x, packed, blocked=True)
-            _assert_rows_match(big, lambda r: gemm.packed_mm(r, packed), x)
+            _assert_rows_match(big, lambda r, w=packed: gemm.packed_mm(r, w), x)
             assert torch.equal(big, gemm.mm(x, dense, blocked=True)), (type_name, m)
 
 
@@ -122,7 +123,7 @@ def test_invariant_matmul_rows_do_not_depend_on_the_call() -> None:
         SmallRowsMatmul(kernel, SMALL_MM_MAX_ROWS, bf16_min_rows=8, invariant=True)
 
 
-def test_default_routing_blocks_mm_and_packed_calls_but_not_the_dense_lm_head() -> None:
+def test_default_routing_blocks_packed_calls_and_dense_ones_up_to_the_crossover() -> None:
     kernel = load_cpu_small_gemm()
     assert kernel is not None
     default = SmallRowsMatmul(kernel, SMALL_MM_MAX_ROWS)
@@ -130,6 +131,9 @@ def test_default_routing_blocks_mm_and_packed_calls_but_not_the_dense_lm_head() 
     packed = pack(gguf_weight("Q8_0", 50, 128, seed=6)[1])
     dense = unpack(packed)
     x = _x(200, 128, seed=7)
+    many = _x(DENSE_BLOCKED_ROWS + 1, 128, seed=8)
+    assert torch.equal(default.mm(many, dense), torch.mm(many, dense))  # MKL above it
+    assert torch.equal(default.mm(many, packed), kernel.packed_mm(many, packed, blocked=True))
     assert torch.equal(default.mm(x, packed), kernel.packed_mm(x, packed, blocked=True))
     assert torch.equal(default.mm(x, dense), default.mm(x, packed))  # packing changes no bit
     assert torch.equal(default.linear(x, packed), default.mm(x, packed))

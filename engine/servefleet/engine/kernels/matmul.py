@@ -133,6 +133,10 @@ class UnpackScratch(threading.local):
 BF16_MIN_ROWS = 8
 
 
+# Most rows a float32 [K, N] call runs in the blocked kernel by default; MKL above (measured
+# on SmolLM2's shapes, AVX2 build: blocked 1.2-2.9x faster at 64-256 rows, even at 512,
+# MKL 1.2-1.35x faster at 1024).
+DENSE_BLOCKED_ROWS = 512
 # Row limit that lets a call of any size through the fit checks (the blocked kernels).
 _ANY_ROWS = 1 << 62
 
@@ -141,15 +145,16 @@ _ANY_ROWS = 1 << 62
 class SmallRowsMatmul:
     """The C kernels for float32 CPU calls (contiguous); torch for everything else.
 
-    Calls of at most `max_rows` rows run the few-row kernels. Larger calls (prefill) of
-    `mm`, on packed or float32 [K, N] weights, and packed `linear` calls run the blocked
-    kernels (`blocked`, default: they unpack one L2-sized panel of W at a time for all
-    rows, where unpacking the whole weight into float32 for MKL cost more than MKL saved,
-    and float32 weights measured no slower than MKL: `bench/README.md`, prefill_gemm);
-    the same rows' bits for packed and float32 weights, so packing still changes no
-    token. `blocked=False`, and dense `linear` (the lm_head, [N, K]) unless `invariant`,
-    go to torch (MKL). A decode step of up to `max_rows` sequences runs on the few-row
-    kernels and every sequence's logits are bitwise independent of the batch.
+    Calls of at most `max_rows` rows run the few-row kernels. Larger calls (prefill) on
+    packed weights run the blocked kernel (`blocked`, default): it unpacks one L2-sized
+    panel of W at a time for all rows, where unpacking the whole weight into float32 for
+    MKL cost more than MKL saved (`bench/README.md`, prefill_gemm). Float32 [K, N]
+    weights take it up to `dense_blocked_rows` rows (the measured crossover: MKL won at
+    1024 rows) and MKL above; below it, packed and float32 weights give the same rows'
+    bits, so packing changes no prompt chunk of up to that size. `blocked=False`, and
+    dense `linear` (the lm_head, [N, K]) unless `invariant`, go to torch (MKL). A decode
+    step of up to `max_rows` sequences runs on the few-row kernels and every sequence's
+    logits are bitwise independent of the batch.
 
     `invariant=True` sends every float32 CPU `mm`/`linear` call, whatever its M, to the C
     kernels (the blocked ones above `max_rows`), whose rows are bitwise what a call of
@@ -170,6 +175,7 @@ class SmallRowsMatmul:
     bf16_min_rows: int | None = None
     invariant: bool = False
     blocked: bool = True
+    dense_blocked_rows: int = DENSE_BLOCKED_ROWS
     scratch: UnpackScratch = field(default_factory=UnpackScratch, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -183,9 +189,11 @@ class SmallRowsMatmul:
     def _packed_bf16(self, rows: int) -> bool:
         return self.bf16_rows(rows) and self.kernel.bf16_products
 
-    def _blocks(self, rows: int) -> bool:
+    def _blocks(self, rows: int, dense: bool = False) -> bool:
         """Whether a many-row `mm` call runs the blocked kernel (`linear` stays float32
         whatever `bf16_min_rows`, so it only asks `invariant or blocked`)."""
+        if dense and rows > self.dense_blocked_rows:
+            return self.invariant
         return self.invariant or (self.blocked and not self.bf16_rows(rows))
 
     def mm(
@@ -204,7 +212,7 @@ class SmallRowsMatmul:
                 return self._many_rows_mm(x, weight_in_out, bias)
         elif _fits_kernel(x, weight_in_out, self.max_rows, 0):
             out = self.kernel.mm_unchecked(x, weight_in_out)
-        elif self._blocks(x.shape[0]) and _fits_kernel(x, weight_in_out, _ANY_ROWS, 0):
+        elif self._blocks(x.shape[0], dense=True) and _fits_kernel(x, weight_in_out, _ANY_ROWS, 0):
             out = self.kernel.mm_unchecked(x, weight_in_out, blocked=True)
         else:
             return self._many_rows_mm(x, weight_in_out, bias)
