@@ -79,11 +79,15 @@ def measure(rows: list[int], rounds: int) -> dict[str, Any]:
     lm_head = packed("Q8_0", SHAPES[0][0], VOCAB)
     scratch = UnpackScratch()
     steps: dict[str, Callable[[list[torch.Tensor]], object]] = {
-        "blocked": lambda xs: [kernel.packed_mm(x, w, blocked=True) for x, w in zip(xs, weights, strict=True)],
+        "blocked": lambda xs: [
+            kernel.packed_mm(x, w, blocked=True) for x, w in zip(xs, weights, strict=True)
+        ],
         "unpack-mkl": lambda xs: [
             torch.mm(x, scratch.unpacked(kernel, w)) for x, w in zip(xs, weights, strict=True)
         ],
-        "dense-blocked": lambda xs: [kernel.mm(x, w, blocked=True) for x, w in zip(xs, dense, strict=True)],
+        "dense-blocked": lambda xs: [
+            kernel.mm(x, w, blocked=True) for x, w in zip(xs, dense, strict=True)
+        ],
         "dense-mkl": lambda xs: [torch.mm(x, w) for x, w in zip(xs, dense, strict=True)],
     }
     last = torch.randn(1, SHAPES[0][0])

@@ -133,9 +133,9 @@ class UnpackScratch(threading.local):
 BF16_MIN_ROWS = 8
 
 
-# Most rows a float32 [K, N] call runs in the blocked kernel by default; MKL above (measured
-# on SmolLM2's shapes, AVX2 build: blocked 1.2-2.9x faster at 64-256 rows, even at 512,
-# MKL 1.2-1.35x faster at 1024).
+# Most rows a float32 [K, N] call runs in the blocked kernel by default; MKL above. Measured
+# on SmolLM2's shapes, AVX2 builds, two runs on a loaded machine: at 64-512 rows the two
+# were even or the blocked kernel faster (0.8-2.9x), at 1024 MKL won three times of four.
 DENSE_BLOCKED_ROWS = 512
 # Row limit that lets a call of any size through the fit checks (the blocked kernels).
 _ANY_ROWS = 1 << 62
