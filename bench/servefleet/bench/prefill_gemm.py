@@ -20,6 +20,7 @@ process (`SERVEFLEET_MATMUL_ISA=avx2`) in the same run. Writes JSON and a PNG.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -67,7 +68,7 @@ def measure(rows: list[int], rounds: int) -> dict[str, Any]:
     from servefleet.engine.model.gguf_blocks import from_gguf_blocks
 
     isa = os.environ.get(ISA_ENV, "native")
-    kernel = load_cpu_small_gemm("openmp", isa)  # type: ignore[arg-type]
+    kernel = load_cpu_small_gemm("openmp", isa)
     assert kernel is not None, "needs the C kernels (a C compiler)"
     rng = np.random.default_rng(0)
 
@@ -100,7 +101,7 @@ def measure(rows: list[int], rounds: int) -> dict[str, Any]:
         best = {path: float("inf") for path in PATHS}
         for _ in range(rounds):  # in turn, round after round: load hits all alike
             for path in PATHS:
-                best[path] = min(best[path], _best_ms(lambda p=path, xs=xs: steps[p](xs), 1))
+                best[path] = min(best[path], _best_ms(functools.partial(steps[path], xs), 1))
         for path in PATHS:
             ms[path][str(m)] = round(LAYERS * best[path] + head_ms, 2)
     return {"isa": kernel.isa, "threads": torch.get_num_threads(), "prefill_ms": ms}
