@@ -294,7 +294,7 @@ def test_small_rows_matmul_routes_by_rows_dtype_and_layout() -> None:
             calls.append("linear")
             return kernel.linear(x, w)
 
-    matmul = SmallRowsMatmul(Spy(), max_rows=4)  # type: ignore[arg-type]
+    matmul = SmallRowsMatmul(Spy(), max_rows=4, blocked=False)  # type: ignore[arg-type]
     x, w = _inputs(5, 16, 8, seed=2)
     bias = torch.randn(8)
     _assert_matches(matmul.mm(x[:4], w, bias), torch.addmm(bias, x[:4], w))

@@ -370,3 +370,6 @@ void sf_small_linear(const float *x, const float *w, float *out, int64_t M, int6
 
 /* LoRA deltas of a step, rows grouped by adapter: sf_lora_add. */
 #include "sf_lora.h"
+
+/* Many-row matmuls with the few-row kernels' bits: sf_big_mm, sf_big_packed_mm, sf_big_linear. */
+#include "sf_big_gemm.h"

@@ -114,15 +114,20 @@ class CpuSmallGemm:
     isa: str
     path: Path
 
-    def mm(self, x: torch.Tensor, weight_in_out: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ weight [K, N] -> [M, N] (what `torch.mm` computes)."""
+    def mm(
+        self, x: torch.Tensor, weight_in_out: torch.Tensor, blocked: bool = False
+    ) -> torch.Tensor:
+        """x [M, K] @ weight [K, N] -> [M, N] (what `torch.mm` computes). `blocked`: the
+        many-row kernel (`sf_big_gemm.h`), bitwise the same rows."""
         _check(x, weight_in_out, 0, "small_mm")
-        return self.mm_unchecked(x, weight_in_out)
+        return self.mm_unchecked(x, weight_in_out, blocked)
 
-    def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight_out_in: torch.Tensor, blocked: bool = False
+    ) -> torch.Tensor:
         """x [M, K] @ weight[N, K].T -> [M, N] (what `F.linear` computes, no bias)."""
         _check(x, weight_out_in, 1, "small_linear")
-        return self.linear_unchecked(x, weight_out_in)
+        return self.linear_unchecked(x, weight_out_in, blocked)
 
     @functools.cached_property
     def bf16_products(self) -> bool:
@@ -130,9 +135,12 @@ class CpuSmallGemm:
         the library once, not on each of a decode step's ~120 matmul calls."""
         return bool(self.library.sf_packed_bf16_available())
 
-    def packed_mm(self, x: torch.Tensor, weight: PackedWeight, bf16: bool = False) -> torch.Tensor:
+    def packed_mm(
+        self, x: torch.Tensor, weight: PackedWeight, bf16: bool = False, blocked: bool = False
+    ) -> torch.Tensor:
         """x [M, K] @ W [K, N] with W packed (`packed_weights.pack`); `bf16`: x and W
-        rounded to bfloat16, products summed in float32 (`bf16_products` builds only)."""
+        rounded to bfloat16, products summed in float32 (`bf16_products` builds only);
+        `blocked`: the many-row kernel (float32, bitwise the same rows)."""
         if not (
             x.dim() == 2
             and x.dtype == torch.float32
@@ -144,35 +152,47 @@ class CpuSmallGemm:
                 f"packed_mm: x must be contiguous float32 [M, {weight.k}] on the CPU, "
                 f"got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
-        return self.packed_mm_unchecked(x, weight, bf16)
+        return self.packed_mm_unchecked(x, weight, bf16, blocked)
 
     # The unchecked forms are for callers that already checked dtype, device, contiguity
     # and shapes (see matmul.SmallRowsMatmul): a decode step makes ~120 of these calls.
 
-    def mm_unchecked(self, x: torch.Tensor, weight_in_out: torch.Tensor) -> torch.Tensor:
+    def mm_unchecked(
+        self, x: torch.Tensor, weight_in_out: torch.Tensor, blocked: bool = False
+    ) -> torch.Tensor:
         m, k = x.shape
         n = weight_in_out.shape[1]
         out = torch.empty(m, n)
-        self.library.sf_small_mm(
+        if not blocked:
+            self.library.sf_small_mm(
+                x.data_ptr(), weight_in_out.data_ptr(), out.data_ptr(), m, k, n, _threads()
+            )
+        elif self.library.sf_big_mm(
             x.data_ptr(), weight_in_out.data_ptr(), out.data_ptr(), m, k, n, _threads()
-        )
+        ):
+            raise MemoryError("big_mm: no memory for the weight panels")
         return out
 
-    def linear_unchecked(self, x: torch.Tensor, weight_out_in: torch.Tensor) -> torch.Tensor:
+    def linear_unchecked(
+        self, x: torch.Tensor, weight_out_in: torch.Tensor, blocked: bool = False
+    ) -> torch.Tensor:
         m, k = x.shape
         n = weight_out_in.shape[0]
         out = torch.empty(m, n)
-        self.library.sf_small_linear(
-            x.data_ptr(), weight_out_in.data_ptr(), out.data_ptr(), m, k, n, _threads()
-        )
+        function = self.library.sf_big_linear if blocked else self.library.sf_small_linear
+        function(x.data_ptr(), weight_out_in.data_ptr(), out.data_ptr(), m, k, n, _threads())
         return out
 
     def packed_mm_unchecked(
-        self, x: torch.Tensor, weight: PackedWeight, bf16: bool = False
+        self, x: torch.Tensor, weight: PackedWeight, bf16: bool = False, blocked: bool = False
     ) -> torch.Tensor:
         m = x.shape[0]
         out = torch.empty(m, weight.n)
+        if blocked and bf16:
+            raise ValueError("packed_mm: the blocked kernel computes in float32 only")
         function = self.library.sf_packed_mm_bf16 if bf16 else self.library.sf_packed_mm
+        if blocked:
+            function = self.library.sf_big_packed_mm
         status = function(
             x.data_ptr(),
             weight.data.data_ptr(),
@@ -186,6 +206,8 @@ class CpuSmallGemm:
         )
         if status == 5:
             raise ValueError("packed_mm: bfloat16 products need AVX-512 with AVX512_BF16")
+        if status == 4:
+            raise MemoryError("packed_mm: no memory for scratch")
         if status:
             raise ValueError(f"packed_mm: packed weight with k={weight.k} rejected ({status})")
         return out
@@ -231,11 +253,11 @@ def build_library(threading: GemmThreading = DEFAULT_THREADING, isa: IsaCap = "n
 
 def _open(path: Path, threading: GemmThreading) -> ctypes.CDLL:
     library = cbuild.open_library(path, threading)
-    for name in ("sf_small_mm", "sf_small_linear"):
+    for name in ("sf_small_mm", "sf_small_linear", "sf_big_linear", "sf_big_mm"):
         function = getattr(library, name)
         function.argtypes = _ARGTYPES
-        function.restype = None
-    for name in ("sf_packed_mm", "sf_packed_mm_bf16"):
+        function.restype = ctypes.c_int if name == "sf_big_mm" else None
+    for name in ("sf_packed_mm", "sf_packed_mm_bf16", "sf_big_packed_mm"):
         function = getattr(library, name)
         function.argtypes = _PACKED_ARGTYPES
         function.restype = ctypes.c_int

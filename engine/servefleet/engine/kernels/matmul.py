@@ -133,15 +133,33 @@ class UnpackScratch(threading.local):
 BF16_MIN_ROWS = 8
 
 
+# Most rows a float32 [K, N] call runs in the blocked kernel by default; MKL above. Measured
+# on SmolLM2's shapes, AVX2 builds, two runs on a loaded machine: at 64-512 rows the two
+# were even or the blocked kernel faster (0.8-2.9x), at 1024 MKL won three times of four.
+DENSE_BLOCKED_ROWS = 512
+# Row limit that lets a call of any size through the fit checks (the blocked kernels).
+_ANY_ROWS = 1 << 62
+
+
 @dataclass(frozen=True)
 class SmallRowsMatmul:
-    """The C kernels for calls of at most `max_rows` rows (float32, CPU, contiguous).
+    """The C kernels for float32 CPU calls (contiguous); torch for everything else.
 
-    Larger calls (prefill) and anything the kernels do not take go to torch, where
-    MKL's blocked GEMM is faster once the weights are reused across many rows (a packed
-    weight is unpacked for the call). One limit for both layouts: then a whole decode
-    step of up to `max_rows` sequences runs on the C kernels and every sequence's logits
-    are bitwise independent of the batch.
+    Calls of at most `max_rows` rows run the few-row kernels. Larger calls (prefill) on
+    packed weights run the blocked kernel (`blocked`, default): it unpacks one L2-sized
+    panel of W at a time for all rows, where unpacking the whole weight into float32 for
+    MKL cost more than MKL saved (`bench/README.md`, prefill_gemm). Float32 [K, N]
+    weights take it up to `dense_blocked_rows` rows (the measured crossover: MKL won at
+    1024 rows) and MKL above; below it, packed and float32 weights give the same rows'
+    bits, so packing changes no prompt chunk of up to that size. `blocked=False`, and
+    dense `linear` (the lm_head, [N, K]) unless `invariant`, go to torch (MKL). A decode
+    step of up to `max_rows` sequences runs on the few-row kernels and every sequence's
+    logits are bitwise independent of the batch.
+
+    `invariant=True` sends every float32 CPU `mm`/`linear` call, whatever its M, to the C
+    kernels (the blocked ones above `max_rows`), whose rows are bitwise what a call of
+    that row alone returns: a row's result never depends on the rest of the call (prompt
+    chunking, batch composition). It is a float32 rule: `bf16_min_rows` must then be None.
 
     `bf16_min_rows` (None: off) runs every call of at least that many rows in bfloat16 —
     x and W rounded, products summed in float32: larger `mm` calls through oneDNN (~2.7x
@@ -155,7 +173,14 @@ class SmallRowsMatmul:
     max_rows: int
     name: str = "cpu-c"
     bf16_min_rows: int | None = None
+    invariant: bool = False
+    blocked: bool = True
+    dense_blocked_rows: int = DENSE_BLOCKED_ROWS
     scratch: UnpackScratch = field(default_factory=UnpackScratch, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.invariant and self.bf16_min_rows is not None:
+            raise ValueError("invariant matmuls compute in float32: bf16_min_rows must be None")
 
     def bf16_rows(self, rows: int) -> bool:
         """Whether a call of `rows` rows runs in bfloat16 products."""
@@ -164,6 +189,13 @@ class SmallRowsMatmul:
     def _packed_bf16(self, rows: int) -> bool:
         return self.bf16_rows(rows) and self.kernel.bf16_products
 
+    def _blocks(self, rows: int, dense: bool = False) -> bool:
+        """Whether a many-row `mm` call runs the blocked kernel (`linear` stays float32
+        whatever `bf16_min_rows`, so it only asks `invariant or blocked`)."""
+        if dense and rows > self.dense_blocked_rows:
+            return self.invariant
+        return self.invariant or (self.blocked and not self.bf16_rows(rows))
+
     def mm(
         self,
         x: torch.Tensor,
@@ -171,12 +203,17 @@ class SmallRowsMatmul:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if isinstance(weight_in_out, PackedWeight):
-            if not _fits_rows(x, self.max_rows, weight_in_out.k):
+            if _fits_rows(x, self.max_rows, weight_in_out.k):
+                bf16 = self._packed_bf16(x.shape[0])
+                out = self.kernel.packed_mm_unchecked(x, weight_in_out, bf16)
+            elif self._blocks(x.shape[0]) and _fits_rows(x, _ANY_ROWS, weight_in_out.k):
+                out = self.kernel.packed_mm_unchecked(x, weight_in_out, blocked=True)
+            else:
                 return self._many_rows_mm(x, weight_in_out, bias)
-            bf16 = self._packed_bf16(x.shape[0])
-            out = self.kernel.packed_mm_unchecked(x, weight_in_out, bf16)
         elif _fits_kernel(x, weight_in_out, self.max_rows, 0):
             out = self.kernel.mm_unchecked(x, weight_in_out)
+        elif self._blocks(x.shape[0], dense=True) and _fits_kernel(x, weight_in_out, _ANY_ROWS, 0):
+            out = self.kernel.mm_unchecked(x, weight_in_out, blocked=True)
         else:
             return self._many_rows_mm(x, weight_in_out, bias)
         return out if bias is None else out.add_(bias)
@@ -202,10 +239,14 @@ class SmallRowsMatmul:
 
     def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight) -> torch.Tensor:
         if isinstance(weight_out_in, PackedWeight):
-            if not _fits_rows(x, self.max_rows, weight_out_in.k):
-                return torch.mm(x, self.scratch.unpacked(self.kernel, weight_out_in))
-            bf16 = self._packed_bf16(x.shape[0])
-            return self.kernel.packed_mm_unchecked(x, weight_out_in, bf16)
-        if not _fits_kernel(x, weight_out_in, self.max_rows, 1):
-            return TORCH_MATMUL.linear(x, weight_out_in)
-        return self.kernel.linear_unchecked(x, weight_out_in)
+            if _fits_rows(x, self.max_rows, weight_out_in.k):
+                bf16 = self._packed_bf16(x.shape[0])
+                return self.kernel.packed_mm_unchecked(x, weight_out_in, bf16)
+            if (self.invariant or self.blocked) and _fits_rows(x, _ANY_ROWS, weight_out_in.k):
+                return self.kernel.packed_mm_unchecked(x, weight_out_in, blocked=True)
+            return torch.mm(x, self.scratch.unpacked(self.kernel, weight_out_in))
+        if _fits_kernel(x, weight_out_in, self.max_rows, 1):
+            return self.kernel.linear_unchecked(x, weight_out_in)
+        if self.invariant and _fits_kernel(x, weight_out_in, _ANY_ROWS, 1):
+            return self.kernel.linear_unchecked(x, weight_out_in, blocked=True)
+        return TORCH_MATMUL.linear(x, weight_out_in)
