@@ -70,6 +70,9 @@ class TorchMatmul:
         return torch.addmm(bias, x, weight_in_out)
 
     def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight) -> torch.Tensor:
+        parts = self._split(x)
+        if parts is not None:
+            return torch.cat([self.linear(part, weight_out_in) for part in parts])
         if isinstance(weight_out_in, PackedWeight):
             return torch.mm(x, dense_weight(weight_out_in))
         return F.linear(x, weight_out_in)
@@ -149,12 +152,17 @@ class SmallRowsMatmul:
     to `max_rows` through the C kernel's bfloat16 products where it has them
     (`CpuSmallGemm.bf16_products`, ~1.5x at 16 rows). A sequence's result then depends on
     how many rows its step had; the lm_head's larger calls stay float32.
+
+    `invariant` (batch-invariant mode): float32 CPU calls of more than `max_rows` rows
+    run as `max_rows`-row calls of the C kernels, so every row's bits are what a decode
+    step gives it (slower than MKL for prompts).
     """
 
     kernel: CpuSmallGemm
     max_rows: int
     name: str = "cpu-c"
     bf16_min_rows: int | None = None
+    invariant: bool = False
     scratch: UnpackScratch = field(default_factory=UnpackScratch, compare=False, repr=False)
 
     def bf16_rows(self, rows: int) -> bool:
@@ -164,12 +172,23 @@ class SmallRowsMatmul:
     def _packed_bf16(self, rows: int) -> bool:
         return self.bf16_rows(rows) and self.kernel.bf16_products
 
+    def _split(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """`max_rows`-row parts of a larger float32 CPU call in invariant mode, else None."""
+        if not (self.invariant and x.dim() == 2 and x.shape[0] > self.max_rows):
+            return None
+        if x.dtype != torch.float32 or not x.is_cpu:
+            return None
+        return list(x.contiguous().split(self.max_rows))
+
     def mm(
         self,
         x: torch.Tensor,
         weight_in_out: torch.Tensor | PackedWeight,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        parts = self._split(x)
+        if parts is not None:
+            return torch.cat([self.mm(part, weight_in_out, bias) for part in parts])
         if isinstance(weight_in_out, PackedWeight):
             if not _fits_rows(x, self.max_rows, weight_in_out.k):
                 return self._many_rows_mm(x, weight_in_out, bias)
@@ -201,6 +220,9 @@ class SmallRowsMatmul:
         return out if bias is None else out.add_(bias)
 
     def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight) -> torch.Tensor:
+        parts = self._split(x)
+        if parts is not None:
+            return torch.cat([self.linear(part, weight_out_in) for part in parts])
         if isinstance(weight_out_in, PackedWeight):
             if not _fits_rows(x, self.max_rows, weight_out_in.k):
                 return torch.mm(x, self.scratch.unpacked(self.kernel, weight_out_in))
