@@ -55,7 +55,9 @@ class AttentionMetadata:
     row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def per_row_tables(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def per_row_tables(
+    meta: AttentionMetadata, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block tables [T, max_blocks] and context lengths [T] with one entry per row of the
     step: decode rows as they are, prompt row i of a chunk as a decode of position
     num_cached + i. The decode kernel then computes a prompt row exactly as a decode step
@@ -75,9 +77,7 @@ def per_row_tables(meta: AttentionMetadata, device: torch.device) -> tuple[torch
         rows, expected = span.end - span.start, span.end
         table = span.block_table.to(device=device, dtype=torch.int32)
         tables.append(table.unsqueeze(0).expand(rows, -1))
-        lens.append(
-            torch.arange(1, rows + 1, dtype=torch.int32, device=device) + span.num_cached
-        )
+        lens.append(torch.arange(1, rows + 1, dtype=torch.int32, device=device) + span.num_cached)
     width = max(t.shape[1] for t in tables)
     padded = torch.zeros(expected, width, dtype=torch.int32, device=device)
     row = 0
