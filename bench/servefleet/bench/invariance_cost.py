@@ -5,7 +5,8 @@ the decode kernels: 64-row C matmul calls instead of MKL's blocked GEMM, and att
 row through the paged decode kernel instead of SDPA. TTFT here is the model time of a
 `--prompt-tokens` prompt computed in `--chunk`-token chunks (the engine's default step budget)
 plus its last row's logits; decode is batched greedy tok/s at concurrency 16 after a prefill
-(`quant_formats.decode_seconds`). Pure decode steps run the same kernels in both modes, so
+(`quant_formats.decode_seconds`); each also per CPU second of the process, the steadier
+figure on a loaded machine (with `--threads 1`). Pure decode steps run the same kernels in both modes, so
 the decode figure shows only noise; a mixed step pays the prefill rate for its prompt rows.
 The modes are interleaved and each figure is the best of `--repeats` runs, in one process,
 so a load spike on a shared machine does not land on one mode only; the ratios are the
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from servefleet.bench.quant_formats import decode_seconds
@@ -57,10 +59,19 @@ def prefill_seconds(model: object, prompt_tokens: int, chunk: int) -> float:
     return time.perf_counter() - start
 
 
+def _timed(call: Callable[[], float]) -> tuple[float, float]:
+    """(the call's own wall seconds, the process CPU seconds it took): on a loaded machine
+    with one torch thread, CPU time is the cost; wall time is also the queue for a core."""
+    cpu = time.process_time()
+    wall = call()
+    return wall, time.process_time() - cpu
+
+
 def measure(
     model: object, prompt_tokens: int, chunk: int, steps: int, repeats: int
 ) -> dict[str, dict[str, float]]:
-    """Best TTFT (ms) and c=16 decode tok/s per mode over interleaved runs."""
+    """Best TTFT (ms, wall and CPU) and c=16 decode tok/s (wall and CPU) per mode over
+    interleaved runs."""
     from servefleet.engine.invariance import apply_batch_invariance
     from servefleet.engine.model.llama import LlamaForCausalLM
 
@@ -69,11 +80,16 @@ def measure(
     for _ in range(repeats):
         for mode in MODES:
             apply_batch_invariance(model, mode == "on")
-            ttft_ms = 1000 * prefill_seconds(model, prompt_tokens, chunk)
-            tok_s = 16 * steps / decode_seconds(model, 16, steps)
+            ttft = _timed(lambda: prefill_seconds(model, prompt_tokens, chunk))
+            decode = _timed(lambda: decode_seconds(model, 16, steps))
             row = best[mode]
-            row["ttft_ms"] = round(min(row.get("ttft_ms", float("inf")), ttft_ms), 1)
-            row["decode_tok_s_c16"] = round(max(row.get("decode_tok_s_c16", 0.0), tok_s), 2)
+            for key, seconds in (("ttft_ms", ttft[0]), ("ttft_cpu_ms", ttft[1])):
+                row[key] = round(min(row.get(key, float("inf")), 1000 * seconds), 1)
+            for key, seconds in (
+                ("decode_tok_s_c16", decode[0]),
+                ("decode_cpu_tok_s_c16", decode[1]),
+            ):
+                row[key] = round(max(row.get(key, 0.0), 16 * steps / seconds), 2)
     apply_batch_invariance(model, True)
     return best
 
