@@ -70,9 +70,6 @@ class TorchMatmul:
         return torch.addmm(bias, x, weight_in_out)
 
     def linear(self, x: torch.Tensor, weight_out_in: torch.Tensor | PackedWeight) -> torch.Tensor:
-        parts = self._split(x)
-        if parts is not None:
-            return torch.cat([self.linear(part, weight_out_in) for part in parts])
         if isinstance(weight_out_in, PackedWeight):
             return torch.mm(x, dense_weight(weight_out_in))
         return F.linear(x, weight_out_in)
