@@ -4,8 +4,9 @@ One prefill and one decode `servefleet engine` process (one thread each, one eng
 the gateway in front (in process) with `prefill.endpoints` naming the prefill engine. A long
 prompt goes P/D: the gateway sends it to the decode engine with `remote_prefill`, the decode
 engine has the prefill engine compute and stream the blocks, then decodes. The stream must be
-token-identical to the same request served colocated (the decode engine alone), greedy; and a
-short prompt stays colocated. About a minute here:
+token-identical to the same request served cold by one engine, greedy and seeded (batch-invariant
+mode, the CPU default, makes the logits independent of the cache); and a short prompt stays
+colocated. About a minute here:
     uv run pytest e2e/test_pd_processes.py -s
 """
 
@@ -76,10 +77,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, s
         yield gateway, base, p.base_url, d.base_url
 
 
-def complete(url: str, prompt: str, headers: dict[str, str]) -> tuple[list[str], int]:
-    """(the text of each streamed token, cached prompt tokens) of a greedy completion
+GREEDY: dict[str, Any] = {"temperature": 0}
+SEEDED: dict[str, Any] = {"temperature": 1.0, "seed": 7}
+
+
+def complete(
+    url: str, prompt: str, headers: dict[str, str], sampling: dict[str, Any] = GREEDY
+) -> tuple[list[str], int]:
+    """(the text of each streamed token, cached prompt tokens) of a completion
     (`return_token_ids` is internal: the gateway refuses it from tenants)."""
-    body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": 12, **sampling}
     body |= {"ignore_eos": True, "stream": True}
     body["stream_options"] = {"include_usage": True}
     pieces: list[str] = []
@@ -106,19 +113,21 @@ def test_pd_through_the_gateway_equals_colocated(stack: tuple[Gateway, str, str,
     while not prefill.replicas.ready_count(prefill.now()) and time.monotonic() < deadline:
         time.sleep(0.2)
     # 1. the prefill engine computed it before (cold, colocated): it streams its cached blocks
-    cold, _ = complete(p_url, "One. " + PROMPT, engine)
-    via_pd, cached = complete(base, "One. " + PROMPT, TENANT)
-    assert len(cold) == 12 and via_pd == cold
-    assert cached > 256  # the decode engine computed only the last partial block
+    for head, sampling in (("One. ", GREEDY), ("Three. ", SEEDED)):
+        cold, cached = complete(p_url, head + PROMPT, engine, sampling)
+        assert cached == 0 and len(cold) == 12
+        via_pd, cached = complete(base, head + PROMPT, TENANT, sampling)
+        assert via_pd == cold, sampling
+        assert cached > 256  # the decode engine computed only the last partial block
     # 2. nobody holds it: the prefill engine computes it block by block for the decode engine
-    via_pd, cached = complete(base, "Two. " + PROMPT, TENANT)
+    via_pd, cached = complete(base, "Two. " + PROMPT, TENANT, SEEDED)
     assert cached > 256
-    again, _ = complete(d_url, "Two. " + PROMPT, engine)  # the decode engine alone
+    again, _ = complete(d_url, "Two. " + PROMPT, engine, SEEDED)  # the decode engine alone
     assert via_pd == again
     decisions = gateway.metrics.registry.get_sample_value(
         ROUTE_DECISIONS_METRIC, {"deployment": "d", "model": "m", "decision": "pd"}
     )
-    assert decisions == 2
+    assert decisions == 3
     exported = 'blocks_total{direction="export",model_name="m",outcome="ok"}'
     assert exported in httpx.get(p_url + "/metrics").text
     # 3. a short prompt stays on the decode engine
@@ -127,5 +136,5 @@ def test_pd_through_the_gateway_equals_colocated(stack: tuple[Gateway, str, str,
         gateway.metrics.registry.get_sample_value(
             ROUTE_DECISIONS_METRIC, {"deployment": "d", "model": "m", "decision": "pd"}
         )
-        == 2
+        == 3
     )

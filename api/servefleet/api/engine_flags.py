@@ -26,6 +26,7 @@ from a Secret, so the key stays out of `ps` and the pod spec)."""
 WeightsDtype = Literal["auto", "float32", "bfloat16"]
 DecodeKernelChoice = Literal["auto", "torch", "cpu-c", "triton"]
 MatmulChoice = Literal["auto", "torch", "cpu-c"]
+BatchInvariantChoice = Literal["auto", "on", "off"]
 ToolCallParser = Literal["hermes", "llama3_json"]
 
 Group = Literal["serving", "scheduling", "kernels"]
@@ -282,6 +283,15 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "AVX512_BF16 or AMX; not batch-invariant",
         default="float32",
         choices=_choices(MatmulDtype),
+    ),
+    EngineFlag(
+        "batch_invariant",
+        "kernels",
+        "a sequence's logits bitwise independent of how its prompt was chunked, cached or "
+        "batched (prompt rows through the decode kernels; auto: on for a float32 CPU model "
+        "on the C kernels, off elsewhere; on is refused where no invariant kernels exist)",
+        default="auto",
+        choices=_choices(BatchInvariantChoice),
     ),
     EngineFlag(
         "packed_weights",

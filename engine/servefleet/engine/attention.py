@@ -5,7 +5,8 @@ sequence, then the prompt chunks being prefilled. Decode tokens go through one
 batched kernel (the gather-free CPU kernel or Triton on GPU when available,
 plain PyTorch otherwise); each prefill chunk runs SDPA over its sequence's
 cached context, which is what lets chunked prefill and prefix-cache hits share
-one code path.
+one code path. In batch-invariant mode (`PagedAttention.per_row_prefill`) every prompt
+row goes through the decode kernel instead, as the decode of its position.
 """
 
 from __future__ import annotations
@@ -49,6 +50,42 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # int32 [D], the current token included
     prefills: list[PrefillSpan] = field(default_factory=list)
     lora: LoraBatch | None = None
+    # Batch-invariant mode: every row of the step as one decode-kernel entry (built once
+    # a step by `per_row_tables`, shared by all layers).
+    row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def per_row_tables(
+    meta: AttentionMetadata, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [T, max_blocks] and context lengths [T] with one entry per row of the
+    step: decode rows as they are, prompt row i of a chunk as a decode of position
+    num_cached + i. The decode kernel then computes a prompt row exactly as a decode step
+    of that position would, whatever the chunking, caching or batch."""
+    if meta.row_tables is not None:
+        return meta.row_tables
+    tables: list[torch.Tensor] = []
+    lens: list[torch.Tensor] = []
+    expected = meta.num_decodes
+    if meta.num_decodes:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        tables.append(meta.decode_block_tables.to(device=device, dtype=torch.int32))
+        lens.append(meta.decode_context_lens.to(device=device, dtype=torch.int32))
+    for span in meta.prefills:
+        if span.start != expected:
+            raise ValueError("prompt chunks must follow the decode rows, in order")
+        rows, expected = span.end - span.start, span.end
+        table = span.block_table.to(device=device, dtype=torch.int32)
+        tables.append(table.unsqueeze(0).expand(rows, -1))
+        lens.append(torch.arange(1, rows + 1, dtype=torch.int32, device=device) + span.num_cached)
+    width = max(t.shape[1] for t in tables)
+    padded = torch.zeros(expected, width, dtype=torch.int32, device=device)
+    row = 0
+    for t in tables:
+        padded[row : row + t.shape[0], : t.shape[1]] = t
+        row += t.shape[0]
+    meta.row_tables = (padded, torch.cat(lens))
+    return meta.row_tables
 
 
 def torch_paged_decode(
@@ -114,6 +151,8 @@ class PagedAttention:
 
     def __init__(self, decode_kernel: DecodeKernel | None = None) -> None:
         self.decode_kernel: DecodeKernel = decode_kernel or torch_paged_decode
+        # Batch-invariant mode: prompt rows through the decode kernel, one row each.
+        self.per_row_prefill = False
 
     def __call__(
         self,
@@ -139,6 +178,9 @@ class PagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """Attention over caches that already hold this step's keys and values."""
+        if meta.prefills and self.per_row_prefill:
+            tables, lens = per_row_tables(meta, q.device)
+            return self.decode_kernel(q.contiguous(), k_cache, v_cache, tables, lens, scale)
         if not meta.prefills:
             assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
             return self.decode_kernel(

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from servefleet.api.engine_flags import (
+    BatchInvariantChoice,
     DecodeKernelChoice,
     MatmulChoice,
     ToolCallParser,
@@ -87,6 +88,7 @@ class EngineConfig(BaseModel):
     decode_kernel: DecodeKernelChoice = knob("decode_kernel")
     matmul: MatmulChoice = knob("matmul")
     matmul_dtype: MatmulDtype = knob("matmul_dtype")
+    batch_invariant: BatchInvariantChoice = knob("batch_invariant")
     packed_weights: bool = knob("packed_weights")
     quantization: LoadQuantization | None = knob("quantization")
     threads: int | None = knob("threads")

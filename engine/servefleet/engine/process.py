@@ -20,6 +20,7 @@ from servefleet.engine.attention import PagedAttention
 from servefleet.engine.chunk_budget import chunk_budget_for
 from servefleet.engine.config import EngineConfig, EngineSettingsError
 from servefleet.engine.http_server import EngineHttpServer
+from servefleet.engine.invariance import apply_batch_invariance, resolve_batch_invariant
 from servefleet.engine.kernels import (
     KernelUnavailableError,
     select_decode_kernel,
@@ -241,6 +242,8 @@ def build_engine(
     device = next(loaded.model.parameters()).device
     dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
     check_kv_cache_dtype(dtype, loaded)
+    invariant = resolve_batch_invariant(config.batch_invariant, loaded.model)
+    apply_batch_invariance(loaded.model, invariant)
     max_model_len = serving_context_length(config, loaded.config)
     per_block = kv_bytes_per_block(loaded.config, config.block_size, dtype)
     budget = kv_cache_bytes(config.kv_cache_memory, device)
@@ -264,7 +267,7 @@ def build_engine(
     storage = allocate_kv_storage(loaded.config, num_blocks, config.block_size, dtype, device)
     log.info(
         "kv_cache: blocks=%d tokens=%d bytes=%d dtype=%s block_size=%d max_model_len=%d "
-        "prefix_caching=%s",
+        "prefix_caching=%s batch_invariant=%s",
         num_blocks,
         num_blocks * config.block_size,
         num_blocks * per_block,
@@ -272,6 +275,7 @@ def build_engine(
         config.block_size,
         max_model_len,
         config.enable_prefix_caching,
+        invariant,
     )
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     step_cost = StepCostModel()

@@ -315,8 +315,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         dense = self.embed_tokens if self.lm_head is None else self.lm_head
         weight: torch.Tensor | PackedWeight | None = self.packed_lm_head
-        many_rows = isinstance(self.matmul, SmallRowsMatmul) and hidden.shape[0] > (
-            self.matmul.max_rows
+        # Batch-invariant mode keeps the decode steps' form of the weight for every call.
+        many_rows = (
+            isinstance(self.matmul, SmallRowsMatmul)
+            and not self.matmul.invariant
+            and hidden.shape[0] > self.matmul.max_rows
         )
         if weight is None or (many_rows and dense is not None):
             weight = dense  # a tied embedding is there anyway: no unpacking for prompt logits
