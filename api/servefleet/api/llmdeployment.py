@@ -37,6 +37,7 @@ from servefleet.api.model_source import (
     cache_rule,
     check_cache,
 )
+from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.scaling_prices import ScalingPrices
 from servefleet.api.scheduling import SchedulingSpec
 from servefleet.api.traffic import (
@@ -241,6 +242,11 @@ class LLMDeploymentSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     spillover: SpilloverSpec | None = Field(default=None, description="Overflow to a hosted API.")
+    chargeback: ChargebackSpec | None = Field(
+        default=None,
+        description="Who pays for idle replicas and the prices of the usage report "
+        "(`servefleet usage`); unset: idle is the platform's, prices from autoscaling.prices.",
+    )
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec, description="Where engine pods run."
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from servefleet.api.kv_cache import KV_CACHE_BYTES_PER_TOKEN_METRIC, KV_CACHE_DTYPE_LABEL
+from servefleet.engine.chargeback import EngineChargeback
 from servefleet.engine.kv_metrics import KVTransferMetrics
 from servefleet.engine.lora.metrics import LoraMetrics
 
@@ -104,6 +105,7 @@ class EngineMetrics:
         )
         self.lora = LoraMetrics(r, model_name)
         self.kv_transfer = KVTransferMetrics(r, model_name)
+        self.chargeback = EngineChargeback(r, model_name)  # `servefleet.api.chargeback`
 
     def set_kv_cache_layout(self, cache_dtype: str, bytes_per_token: int) -> None:
         self.kv_bytes_per_token.labels(
