@@ -203,5 +203,5 @@ def test_the_spec_takes_a_chargeback_block_and_refuses_unknown_fields() -> None:
     assert spec.chargeback is not None and spec.chargeback.idle is cb.IdlePolicy.SHARED
     with pytest.raises(ValueError, match="idle"):
         LLMDeploymentSpec.model_validate(base | {"chargeback": {"idle": "tenants"}})
-    with pytest.raises(ValueError, match="replicaHour|replica_hour"):
+    with pytest.raises(ValueError, match=r"replicaHour|replica_hour"):
         LLMDeploymentSpec.model_validate(base | {"chargeback": {"replicaHour": -1}})

@@ -18,9 +18,7 @@ class HostedPrices(ApiModel):
     """The hosted API's price table (what spilled tokens cost), per million tokens."""
 
     input_per_million: float = Field(ge=0, description="Price of one million prompt tokens.")
-    output_per_million: float = Field(
-        ge=0, description="Price of one million completion tokens."
-    )
+    output_per_million: float = Field(ge=0, description="Price of one million completion tokens.")
 
     def cost(self, prompt_tokens: float, completion_tokens: float) -> float:
         return (

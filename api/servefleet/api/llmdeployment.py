@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
+from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
 from servefleet.api.disaggregation import (
     DisaggregationSpec,
@@ -37,7 +38,6 @@ from servefleet.api.model_source import (
     cache_rule,
     check_cache,
 )
-from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.scaling_prices import ScalingPrices
 from servefleet.api.scheduling import SchedulingSpec
 from servefleet.api.traffic import (

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api import chargeback as cb
 from servefleet.api.chargeback import OTHER_TENANT
+from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.outcomes import Outcome
 
 PREFIX = "servefleet_gateway_"
