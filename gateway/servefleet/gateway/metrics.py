@@ -50,8 +50,12 @@ class GatewayMetrics:
             f"Requests by outcome ({', '.join(Outcome)}).",
             [*tm, "outcome"],
         )
-        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens served.", tm)
-        self.completion_tokens = self._counter("completion_tokens", "Completion tokens served.", tm)
+        self.prompt_tokens = Counter(
+            cb.GATEWAY_PROMPT_TOKENS, "Prompt tokens served.", tm, registry=self.registry
+        )
+        self.completion_tokens = Counter(
+            cb.GATEWAY_COMPLETION_TOKENS, "Completion tokens served.", tm, registry=self.registry
+        )
         self.spilled_tokens = Counter(
             cb.GATEWAY_SPILLED_TOKENS,
             "Tokens of requests answered by the hosted API, by kind (prompt, completion).",
