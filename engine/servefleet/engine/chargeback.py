@@ -1,10 +1,11 @@
 """The engine's side of chargeback: each step's wall time billed to its sequences' tenants.
 
 The rule lives in `servefleet.api.chargeback` (weighted rows, measured prompt weight, idle =
-the loop's time outside steps). This module keeps the running sums and exports them as one
-Prometheus collector, so a scrape reads busy, idle and replica seconds at the same instant:
-idle is brought up to the scrape's time unless a step is running, and a step is billed when it
-ends, so the only gap between busy + idle and replica seconds is the step in progress.
+the loop's time outside steps). This module keeps the running sums as Prometheus counters.
+Replica seconds are read at the scrape by a collector registered *before* the idle counter, and
+reading them first brings idle up to the same instant (unless a step is running: a step is
+billed when it ends), so the only gap between busy + idle and replica seconds in a scrape is
+the step in progress.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from servefleet.api import chargeback as cb
@@ -42,16 +43,31 @@ class EngineChargeback:
         self._in_step = False
         self._cap = cb.LabelCap(tenant_limit, fixed=(cb.UNATTRIBUTED,))
         self.busy: dict[tuple[str, str], float] = {}
-        self.tokens: dict[tuple[str, str, str], int] = {}
         self.idle = 0.0
-        if registry is not None:
-            registry.register(self)  # type: ignore[arg-type]
+        registry = registry if registry is not None else CollectorRegistry()
+        registry.register(_ReplicaSeconds(self))  # type: ignore[arg-type]  # before idle
+        labels = [cb.TENANT_LABEL, cb.MODEL_LABEL]
+        self._busy = Counter(
+            cb.ENGINE_BUSY_SECONDS,
+            "Step wall time billed to each tenant and model.",
+            labels,
+            registry=registry,
+        )
+        self._tokens = Counter(
+            cb.ENGINE_ATTRIBUTED_TOKENS,
+            "Prompt tokens computed and decode rows run, per tenant and model.",
+            [*labels, cb.KIND_LABEL],
+            registry=registry,
+        )
+        self._idle = Counter(
+            cb.ENGINE_IDLE_SECONDS, "Engine loop time outside steps.", registry=registry
+        )
 
     # ---- the engine thread ----------------------------------------------------------------
     def begin_step(self, now: float) -> None:
         """A step starts: the time since the last mark was idle."""
         with self._lock:
-            self.idle += max(0.0, now - self._mark)
+            self._add_idle(now - self._mark)
             self._mark, self._in_step = now, True
 
     def end_step(self, out: SchedulerOutput, now: float) -> None:
@@ -62,10 +78,11 @@ class EngineChargeback:
             seconds = max(0.0, now - self._mark)
             self._mark, self._in_step = now, False
             if not shares:
-                self.idle += seconds
+                self._add_idle(seconds)
                 return
             for key, part in cb.split_step(seconds, shares, self.cost.prompt_weight).items():
                 self.busy[key] = self.busy.get(key, 0.0) + part
+                self._busy.labels(*key).inc(part)
             for s in shares:
                 self._count(s.tenant, s.model, cb.PROMPT, s.prompt_tokens)
                 self._count(s.tenant, s.model, cb.COMPLETION, s.decode_rows)
@@ -78,8 +95,12 @@ class EngineChargeback:
 
     def _count(self, tenant: str, model: str, kind: str, n: int) -> None:
         if n:
-            key = (tenant, model, kind)
-            self.tokens[key] = self.tokens.get(key, 0) + n
+            self._tokens.labels(tenant, model, kind).inc(n)
+
+    def _add_idle(self, seconds: float) -> None:
+        if seconds > 0:
+            self.idle += seconds
+            self._idle.inc(seconds)
 
     # ---- readers --------------------------------------------------------------------------
     def settle(self) -> tuple[float, float, float]:
@@ -87,35 +108,24 @@ class EngineChargeback:
         with self._lock:
             now = self._clock()
             if not self._in_step:
-                self.idle += max(0.0, now - self._mark)
+                self._add_idle(now - self._mark)
                 self._mark = now
             return sum(self.busy.values()), self.idle, now - self._start
 
-    def collect(self) -> Iterator[Metric]:
-        _, idle, replica = self.settle()
-        with self._lock:
-            busy, tokens = dict(self.busy), dict(self.tokens)
-        labels = [cb.TENANT_LABEL, cb.MODEL_LABEL]
-        family = CounterMetricFamily(
-            cb.ENGINE_BUSY_SECONDS, "Step wall time billed to each tenant and model.", labels=labels
-        )
-        for (tenant, model), seconds in sorted(busy.items()):
-            family.add_metric([tenant, model], seconds)
-        yield family
-        counted = CounterMetricFamily(
-            cb.ENGINE_ATTRIBUTED_TOKENS,
-            "Prompt tokens computed and decode rows run, per tenant and model.",
-            labels=[*labels, cb.KIND_LABEL],
-        )
-        for key, n in sorted(tokens.items()):
-            counted.add_metric(list(key), n)
-        yield counted
-        yield CounterMetricFamily(
-            cb.ENGINE_IDLE_SECONDS, "Engine loop time outside steps.", value=idle
-        )
-        yield CounterMetricFamily(
-            cb.ENGINE_REPLICA_SECONDS, "Wall time since the engine was built.", value=replica
-        )
 
-    def describe(self) -> list[Metric]:
-        return []  # collected lazily: registration must not run `collect`
+class _ReplicaSeconds:
+    """The replica's wall time since the engine was built, read at the scrape (settling idle
+    first, so the idle counter collected after it is up to the same instant)."""
+
+    def __init__(self, owner: EngineChargeback) -> None:
+        self._owner = owner
+
+    def _family(self, value: float) -> CounterMetricFamily:
+        doc = "Wall time since the engine was built (busy + idle, within the running step)."
+        return CounterMetricFamily(cb.ENGINE_REPLICA_SECONDS, doc, value=value)
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._family(self._owner.settle()[2])
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family(0.0)  # names only: describing must not settle
