@@ -15,10 +15,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from servefleet.api import chargeback as cb
-from servefleet.api.usage_query import usage_inputs
+from servefleet.api.usage_query import parse_time, usage_inputs
 from servefleet.bench import processes
 from servefleet.cli.main import main
-from servefleet.cli.usage_cmd import parse_time
 
 DEPLOYMENT = """\
 apiVersion: servefleet.io/v1alpha1

@@ -141,6 +141,8 @@ def render_gateway_config(
                 spillover=enabled_spill,
                 spillover_api_key=_secret_value(key_source, spill_ref),
                 engine_api_key=_secret_value(key_source, engine_key_ref),
+                chargeback=dep.spec.chargeback,
+                scaling_prices=dep.spec.autoscaling.prices,
                 prefill=_prefill_routing(
                     dep,
                     (prefill_services or {}).get(dep.name),

@@ -10,6 +10,7 @@ match (e.g. `namespace="team-a"`), so a period that spans scale-ups and restarts
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 from servefleet.api import chargeback as cb
 from servefleet.api.usage_report import TenantTokens, UsageInputs
@@ -62,3 +63,43 @@ def usage_inputs(
         },
         spilled=spilled,
     )
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds, or ISO 8601 (a trailing Z is UTC; no zone is refused, not guessed)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{text!r} is neither unix seconds nor an ISO 8601 time") from None
+    if parsed.tzinfo is None:
+        raise ValueError(f"{text!r} has no time zone: add Z or an offset")
+    return parsed.timestamp()
+
+
+def iso_time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def prometheus_query(base_url: str, timeout: float) -> QueryFn:
+    """An instant-query function on Prometheus' HTTP API; a refusal is a RuntimeError."""
+    import httpx
+
+    def query(promql: str, at: float) -> list[Sample]:
+        try:
+            response = httpx.get(
+                f"{base_url.rstrip('/')}/api/v1/query",
+                params={"query": promql, "time": f"{at:.3f}"},
+                timeout=timeout,
+            )
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise RuntimeError(f"Prometheus at {base_url} did not answer: {exc}") from None
+        if response.status_code != 200 or body.get("status") != "success":
+            raise RuntimeError(f"Prometheus refused {promql}: {body.get('error', response.text)}")
+        return [(r["metric"], float(r["value"][1])) for r in body["data"]["result"]]
+
+    return query

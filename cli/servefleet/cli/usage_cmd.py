@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from datetime import datetime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,40 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per query")
 
 
-def parse_time(text: str) -> float:
-    """Unix seconds, or ISO 8601 (a trailing Z is UTC; no zone is refused, not guessed)."""
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        raise ValueError(f"{text!r} has no time zone: add Z or an offset")
-    return parsed.timestamp()
-
-
-def prometheus_query(base_url: str, timeout: float):  # type: ignore[no-untyped-def]
-    import httpx
-
-    def query(promql: str, at: float) -> list[tuple[dict[str, str], float]]:
-        response = httpx.get(
-            f"{base_url.rstrip('/')}/api/v1/query",
-            params={"query": promql, "time": f"{at:.3f}"},
-            timeout=timeout,
-        )
-        body = response.json()
-        if response.status_code != 200 or body.get("status") != "success":
-            raise RuntimeError(f"Prometheus refused {promql}: {body.get('error', response.text)}")
-        return [(r["metric"], float(r["value"][1])) for r in body["data"]["result"]]
-
-    return query
-
-
 def run(args: argparse.Namespace) -> int:
     from servefleet.api.chargeback import IdlePolicy
     from servefleet.api.chargeback_spec import Prices
     from servefleet.api.manifests import load_llmdeployments
-    from servefleet.api.usage_query import usage_inputs
+    from servefleet.api.usage_query import iso_time, parse_time, prometheus_query, usage_inputs
     from servefleet.api.usage_report import build_report, to_csv
 
     deployments = load_llmdeployments(args.file)
@@ -85,16 +55,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"servefleet usage: error: {exc}", file=sys.stderr)
         return 2
     policy = spec.chargeback.idle if spec.chargeback else IdlePolicy.PLATFORM
-    period = (_iso(start), _iso(end))
+    period = (iso_time(start), iso_time(end))
     report = build_report(inputs, prices, policy, period)
     if args.format == "csv":
         sys.stdout.write(to_csv(report))
     else:
         sys.stdout.write(report.model_dump_json(indent=2) + "\n")
     return 0
-
-
-def _iso(ts: float) -> str:
-    from datetime import UTC
-
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
