@@ -145,3 +145,22 @@ def test_without_prometheus_it_is_501_and_the_tenant_port_has_no_such_path() -> 
         assert r.status_code == 501 and r.json()["error"]["code"] == "not_configured"
         tenant = httpx.get(base + "/internal/usage", headers={"authorization": "Bearer key-a"})
         assert tenant.status_code == 404
+
+
+def test_the_engine_gets_the_routes_tenant_never_the_clients_claim() -> None:
+    """A tenant sending the header itself still bills its own name: the gateway builds the
+    engine's headers from the route its key resolved to."""
+    from contextlib import ExitStack
+
+    from servefleet.bench.fake_upstream import FakeOpenAI
+    from tests.support.gateway_rig import served_gateway
+
+    with ExitStack() as stack:
+        fake = FakeOpenAI()
+        url = stack.enter_context(serve_in_thread(fake))
+        _, base = served_gateway(stack, [url])
+        headers = {"authorization": "Bearer key-a", cb.TENANT_HEADER: "someone-else"}
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        r = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+    assert [h.get(cb.TENANT_HEADER) for h in fake.stats.headers] == ["a"]
