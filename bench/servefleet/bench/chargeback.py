@@ -121,7 +121,11 @@ async def tenant_traffic(
         body = {"model": "m", "prompt": f"{i}: {words}", "max_tokens": tenant.max_tokens,
                 "ignore_eos": True, "temperature": 0.8}  # fmt: skip
         headers = {"authorization": f"Bearer {KEY}", cb.TENANT_HEADER: tenant.name}
-        r = await client.post("/v1/completions", json=body, headers=headers)
+        try:
+            r = await client.post("/v1/completions", json=body, headers=headers)
+        except httpx.HTTPError:
+            used["failed"] += 1
+            return
         if r.status_code == 200:
             usage = r.json()["usage"]
             used["prompt"] += usage["prompt_tokens"]
