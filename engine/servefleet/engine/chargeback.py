@@ -45,7 +45,7 @@ class EngineChargeback:
         self.busy: dict[tuple[str, str], float] = {}
         self.idle = 0.0
         registry = registry if registry is not None else CollectorRegistry()
-        registry.register(_ReplicaSeconds(self))  # type: ignore[arg-type]  # before idle
+        registry.register(_ReplicaSeconds(self))  # before the idle counter (see the module doc)
         labels = [cb.TENANT_LABEL, cb.MODEL_LABEL]
         self._busy = Counter(
             cb.ENGINE_BUSY_SECONDS,
