@@ -33,6 +33,7 @@ PROTECTED = [
     ("GET", "/metrics"),
     ("GET", "/internal/deployments"),
     ("POST", "/internal/deployments/local/replicas"),
+    ("GET", "/internal/usage"),  # every tenant's usage and cost (chargeback)
     ("GET", "/internal/nope"),  # not even whether a path exists
 ]
 

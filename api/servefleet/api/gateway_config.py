@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from servefleet.api.budgets import TokenPrices
+from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.llmdeployment import (
     AdmissionSpec,
     PoolSpec,
@@ -27,6 +28,7 @@ from servefleet.api.llmdeployment import (
 )
 from servefleet.api.lora import ADAPTER_NAME
 from servefleet.api.replica_endpoints import parse_networks, replica_endpoint_problem
+from servefleet.api.scaling_prices import ScalingPrices
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
 
@@ -263,6 +265,14 @@ class GatewayDeployment(ConfigModel):
         "gateway has its tokenizer. A prompt whose length proves it cannot fit is a 400 "
         "before anything tokenizes it.",
     )
+    chargeback: ChargebackSpec | None = Field(
+        default=None,
+        description="The deployment's spec.chargeback: idle policy and prices of its usage "
+        "report (GET /internal/usage).",
+    )
+    scaling_prices: ScalingPrices | None = Field(
+        default=None, description="spec.autoscaling.prices: the report's fallback prices."
+    )
     prefill: PrefillRouting | None = Field(
         default=None,
         description="Disaggregated prefill/decode: the prefill pool; unset: colocated.",
@@ -345,6 +355,12 @@ class GatewayConfig(ConfigModel):
         le=65535,
         description="Port of /metrics and /internal/* (never the tenant port: metrics name "
         "tenants); unset = not served (in-process use).",
+    )
+    usage_prometheus_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^@/]+(/.*)?$",
+        description="Prometheus that GET /internal/usage reads counter increases from (the "
+        "platform admin's; no credentials in the URL). Unset: that path answers 501.",
     )
     tenant_series_limit: int = Field(
         default=100,

@@ -142,6 +142,8 @@ def render_gateway_config(
                 spillover_api_key=_secret_value(key_source, spill_ref),
                 token_prices=dep.spec.token_prices,
                 engine_api_key=_secret_value(key_source, engine_key_ref),
+                chargeback=dep.spec.chargeback,
+                scaling_prices=dep.spec.autoscaling.prices,
                 prefill=_prefill_routing(
                     dep,
                     (prefill_services or {}).get(dep.name),

@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
 from servefleet.api.budgets import COST_BUDGET_CEL, COST_BUDGET_MESSAGE, TokenPrices
+from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
 from servefleet.api.disaggregation import (
     DisaggregationSpec,
@@ -244,6 +245,11 @@ class LLMDeploymentSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     spillover: SpilloverSpec | None = Field(default=None, description="Overflow to a hosted API.")
+    chargeback: ChargebackSpec | None = Field(
+        default=None,
+        description="Who pays for idle replicas and the prices of the usage report "
+        "(`servefleet usage`); unset: idle is the platform's, prices from autoscaling.prices.",
+    )
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec, description="Where engine pods run."
     )

@@ -21,7 +21,7 @@ HOSTILE_ENDPOINTS = {
 
 
 def internal_without_key(stack: AttackStack, result: AttackResult) -> None:
-    """Internal port without the internal key: metrics, stats, replica list.
+    """Internal port without the internal key: metrics, stats, replica list, usage report.
 
     Every internal path but /health needs the key; a non-ASCII key is a 401, not a 500."""
     base = stack.gateway.internal_url
@@ -31,6 +31,8 @@ def internal_without_key(stack: AttackStack, result: AttackResult) -> None:
         "GET /metrics": lambda h: httpx.get(base + "/metrics", headers=h),
         "GET /internal/deployments": lambda h: httpx.get(base + "/internal/deployments", headers=h),
         "POST replicas": lambda h: httpx.post(replicas, json=update, headers=h),
+        # every tenant's usage and cost (chargeback): the platform team's alone
+        "GET /internal/usage": lambda h: httpx.get(base + "/internal/usage", headers=h),
     }
     headers_by_kind = {
         "no key": {},

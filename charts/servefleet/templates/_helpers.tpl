@@ -148,5 +148,8 @@ would allow N times every limit: refuse that rather than render it.
 {{- with .Values.gateway.spilloverAllowedHosts }}
 {{- $_ := set $config "spillover_allowed_hosts" . }}
 {{- end }}
+{{- with .Values.gateway.usagePrometheusURL }}
+{{- $_ := set $config "usage_prometheus_url" . }}
+{{- end }}
 {{- toYaml (mergeOverwrite $config (deepCopy .Values.gateway.config)) }}
 {{- end -}}

@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("servefleet.cli.up_cmd", "run LLMDeployments on this machine (local mode)"),
     "sim": ("servefleet.cli.sim_cmd", "replay an access log through every scaling policy"),
     "model": ("servefleet.cli.fetch_cmd", "fetch a model source into a download cache"),
+    "usage": ("servefleet.cli.usage_cmd", "chargeback: per-tenant usage and cost for a period"),
 }
 
 

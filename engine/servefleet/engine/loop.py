@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from servefleet.api.chargeback import UNATTRIBUTED
 from servefleet.api.ewma import Ewma
 from servefleet.api.seeds import new_seed
 from servefleet.engine.kv_events import KVEventLog, KVEventSink
@@ -49,6 +50,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     resume_token_ids: list[int] = field(default_factory=list)  # already delivered (n == 1)
     lora: LoraAdapter | None = None  # the adapter it asked for (held by the caller)
+    tenant: str = UNATTRIBUTED  # who its steps are billed to (`servefleet.api.chargeback`)
 
 
 @dataclass
@@ -306,6 +308,7 @@ class Engine:
                 request_id=request.request_id,
                 output_token_ids=list(request.resume_token_ids),
                 lora=request.lora,
+                tenant=request.tenant,
             )
             self._tracked[seq.seq_id] = _Tracked(
                 seq, index, sink, OutputProcessor(self.tokenizer, seq)
@@ -325,6 +328,7 @@ class Engine:
             self.in_step_since = None
             time.sleep(0.001)
             return
+        self.metrics.chargeback.begin_step(started)
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.first_scheduled_time is None:
@@ -341,6 +345,7 @@ class Engine:
         self.scheduler.update(out, result.token_by_seq_id())
         now = time.monotonic()
         self.in_step_since = None
+        self.metrics.chargeback.end_step(out, now)
         self.metrics.step_seconds.observe(now - started)
         self.step_time.update(now - started)
         self.step_cost.observe(out.step_shape, now - started)

@@ -19,6 +19,7 @@ from servefleet.api.step_cost import (
     STEP_COST_TERM_LABEL,
     STEP_COST_TERMS,
 )
+from servefleet.engine.chargeback import EngineChargeback
 from servefleet.engine.kv_metrics import KVTransferMetrics
 from servefleet.engine.lora.metrics import LoraMetrics
 
@@ -128,6 +129,7 @@ class EngineMetrics:
         )
         self.lora = LoraMetrics(r, model_name)
         self.kv_transfer = KVTransferMetrics(r, model_name)
+        self.chargeback = EngineChargeback(r, model_name)  # `servefleet.api.chargeback`
 
     def set_kv_cache_layout(self, cache_dtype: str, bytes_per_token: int) -> None:
         self.kv_bytes_per_token.labels(

@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from servefleet.api.chargeback import UNATTRIBUTED
 from servefleet.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class Sequence:
     # Prefill and export (disaggregated P/D, `kv_prefill`): never samples; finished once
     # every prompt token's KV is written, so its blocks can be handed to a decode engine.
     prefill_only: bool = False
+    tenant: str = UNATTRIBUTED  # billed for its steps (`servefleet.api.chargeback`)
 
     def __post_init__(self) -> None:
         # A resumed request's delivered tokens (`servefleet.api.stream_resume`) are already

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from servefleet.api.chargeback import TENANT_HEADER, tenant_label
 from servefleet.api.kv_warm import WARMING_DETAIL
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -165,7 +166,7 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
         )
         check_room(state, body.n)  # the queue may have filled while this was prepared
         (engine_request,) = _engine_requests(
-            state, body, prepared, body.num_logprobs, request_id, adapter
+            state, body, prepared, body.num_logprobs, request_id, adapter, billed(request, state)
         )
         await pull_prefix(state, body.kv_transfer_params, engine_request)
         if body.stream:
@@ -189,7 +190,7 @@ def _add_generation_routes(app: FastAPI, state: ServingState) -> None:
         )
         check_room(state, sequences)
         engine_requests = _engine_requests(
-            state, body, prepared, body.logprobs, request_id, adapter
+            state, body, prepared, body.logprobs, request_id, adapter, billed(request, state)
         )
         for engine_request in engine_requests:
             await pull_prefix(state, body.kv_transfer_params, engine_request)
@@ -206,6 +207,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc
 
 
+def billed(request: Request, state: ServingState) -> str:
+    """The tenant the gateway stamped, honoured only where the engine requires its key (so
+    only a key holder can have sent it); else `UNATTRIBUTED` (`servefleet.api.chargeback`)."""
+    return tenant_label(request.headers.get(TENANT_HEADER), trusted=bool(state.api_key))
+
+
 def _engine_requests(
     state: ServingState,
     body: SamplingRequest,
@@ -213,6 +220,7 @@ def _engine_requests(
     logprobs: int | None,
     request_id: str,
     adapter: LoraAdapter | None,
+    tenant: str,
 ) -> list[EngineRequest]:
     """One engine request per prompt: the first keeps the request's id (its logs name it)."""
     requests = []
@@ -227,6 +235,7 @@ def _engine_requests(
                 n=body.n,
                 resume_token_ids=resume_ids(state, body, prompt.max_tokens),
                 lora=adapter,
+                tenant=tenant,
             )
         )
     return requests

@@ -21,6 +21,7 @@ from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_version import version_body
 from servefleet.api.openai_wire import headers_too_large, send_header_error
 from servefleet.api.openapi_doc import OPENAPI_PATH, openapi_document
+from servefleet.api.usage_query import prometheus_query
 from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
@@ -57,6 +58,7 @@ INTERNAL_ERROR = OpenAIError(
 )
 
 # The tenant port's paths (/metrics is the internal port's); forwarded paths and models need a key.
+USAGE_QUERY_TIMEOUT_S = 30.0  # one Prometheus query of /internal/usage
 _KEYED_PATHS = [*ENDPOINTS, "/v1/models", "/v1/models/{model}"]
 _GET_PATHS = frozenset({"/v1/models", "/version", "/health", "/ready", OPENAPI_PATH})
 _OPENAPI = json.dumps(
@@ -104,7 +106,13 @@ class Gateway:
             clock,
             access_log,
         )
-        self.internal = InternalApp(lambda: self.table, self.render_metrics, self._internal_key)
+        usage = config.usage_prometheus_url
+        self.internal = InternalApp(
+            lambda: self.table,
+            self.render_metrics,
+            self._internal_key,
+            prometheus_query(usage, USAGE_QUERY_TIMEOUT_S) if usage else None,
+        )
         """The ASGI app of the internal port: /metrics and /internal/* (never the tenant port)."""
         self._prober = ReplicaProber(clock)
         self._pool_tasks = PoolTasks(kubernetes)

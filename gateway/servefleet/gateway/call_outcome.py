@@ -18,6 +18,7 @@ from servefleet.api.outcomes import CLIENT_CLOSED_STATUS, Outcome, request_outco
 from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Send, StatusRecorder
 from servefleet.gateway.call import Call
+from servefleet.gateway.pool_types import Spill
 
 INTERNAL_ERROR_STATUS = 500
 """What the app answers a bug with (after this block)."""
@@ -53,5 +54,8 @@ def recorded(call: Call, send: Send, log: AccessLog | None) -> Iterator[Send]:
         if call.completed and call.used is not None:
             metrics.prompt_tokens.inc(call.used.prompt_tokens)
             metrics.completion_tokens.inc(call.used.completion_tokens)
+            if isinstance(call.placement, Spill):
+                metrics.spilled_prompt_tokens.inc(call.used.prompt_tokens)
+                metrics.spilled_completion_tokens.inc(call.used.completion_tokens)
         if log is not None:
             log.write(log.line(call, status or CLIENT_CLOSED_STATUS, outcome))

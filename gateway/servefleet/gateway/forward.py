@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from servefleet.api.chargeback import TENANT_HEADER
 from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.gateway.adapter_loads import LOAD_TIMEOUT_S, AdapterLoadFailed
@@ -49,15 +50,20 @@ JSON_HEADERS = [(b"content-type", JSON)]
 REQUEST_ID_HEADER = b"x-request-id"
 
 
-def engine_headers(config: GatewayDeployment, request_id: str = "") -> list[tuple[bytes, bytes]]:
+def engine_headers(
+    config: GatewayDeployment, request_id: str = "", tenant: str = ""
+) -> list[tuple[bytes, bytes]]:
     """Headers of a request to a replica: the engine key as a Bearer token when it needs one,
-    and the gateway's request id (the engine's log lines can name it)."""
+    the gateway's request id (the engine's log lines can name it) and the tenant its steps are
+    billed to (`servefleet.api.chargeback`; built here, never copied from the client's)."""
     headers = JSON_HEADERS
     if config.engine_api_key is not None:
         key = config.engine_api_key.read().encode()
         headers = [*headers, (b"authorization", b"Bearer " + key)]
     if request_id:
         headers = [*headers, (REQUEST_ID_HEADER, request_id.encode())]
+    if tenant:
+        headers = [*headers, (TENANT_HEADER.encode(), tenant.encode())]
     return headers
 
 
@@ -287,7 +293,7 @@ class Forwarder:
                 "POST",
                 replica.endpoint + call.path,
                 body,
-                engine_headers(config, call.request_id),
+                engine_headers(config, call.request_id, call.route.tenant),
                 connect_timeout=config.connect_timeout_seconds,
                 read_timeout=config.upstream_timeout_seconds,
             )

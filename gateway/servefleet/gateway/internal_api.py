@@ -1,4 +1,5 @@
-"""The internal listener: `/metrics`, deployment stats for the autoscaler, replica lists.
+"""The internal listener: `/metrics`, deployment stats for the autoscaler, replica lists, and
+the usage report (`/internal/usage`, `usage_api`).
 
 Served on its own port (`internal_port`), never on the tenant port: the metrics name every
 tenant, the stats every deployment, and a replica list decides where prompts and the engine
@@ -18,10 +19,12 @@ from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.gateway_stats import dump_deployment_stats
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.replica_endpoints import ReplicaTargets
+from servefleet.api.usage_query import QueryFn
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
 from servefleet.gateway.auth import bearer_matches
 from servefleet.gateway.errors import method_not_allowed, validation_error
 from servefleet.gateway.route_table import RouteTable
+from servefleet.gateway.usage_api import USAGE_PATH, send_usage
 
 DEPLOYMENTS_PATH = "/internal/deployments"
 METRICS_PATH = "/metrics"
@@ -45,7 +48,7 @@ def is_replicas_path(path: str) -> bool:
 
 def allowed_methods(path: str) -> str | None:
     """The methods a known internal path takes (the `Allow` header), None for unknown paths."""
-    if path in (METRICS_PATH, DEPLOYMENTS_PATH, HEALTH_PATH):
+    if path in (METRICS_PATH, DEPLOYMENTS_PATH, HEALTH_PATH, USAGE_PATH):
         return "GET"
     if is_replicas_path(path):
         return "POST"
@@ -111,10 +114,12 @@ class InternalApp:
         table: Callable[[], RouteTable],
         render_metrics: Callable[[], bytes],
         internal_key: str | None,
+        usage_query: QueryFn | None = None,
     ) -> None:
         self._table = table
         self._render_metrics = render_metrics
         self._internal_key = internal_key
+        self._usage_query = usage_query  # Prometheus, for /internal/usage (`usage_api`)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -143,5 +148,8 @@ class InternalApp:
             await respond(send, 200, self._render_metrics(), content_type=PROMETHEUS_TEXT)
         elif path == DEPLOYMENTS_PATH:
             await send_deployment_stats(self._table(), send)
+        elif path == USAGE_PATH:
+            configs = {name: pool.config for name, pool in self._table().pools.items()}
+            await send_usage(configs, scope, send, self._usage_query)
         else:
             await update_replicas(self._table(), scope, receive, send)

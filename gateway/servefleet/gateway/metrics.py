@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from servefleet.api import chargeback as cb
 from servefleet.api.budgets import BUDGET_USED_RATIO_METRIC
+from servefleet.api.chargeback import OTHER_TENANT
 from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.outcomes import Outcome
 
 PREFIX = "servefleet_gateway_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-OTHER_TENANT = "_other"
 DEFAULT_TENANT_SERIES_LIMIT = 100
 
 
@@ -35,6 +36,8 @@ class TenantModelMetrics:
     completion_tokens: Counter
     queue_wait: Histogram
     ttft: Histogram
+    spilled_prompt_tokens: Counter  # sent to the hosted API (`servefleet.api.chargeback`)
+    spilled_completion_tokens: Counter
 
 
 class GatewayMetrics:
@@ -48,8 +51,18 @@ class GatewayMetrics:
             f"Requests by outcome ({', '.join(Outcome)}).",
             [*tm, "outcome"],
         )
-        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens served.", tm)
-        self.completion_tokens = self._counter("completion_tokens", "Completion tokens served.", tm)
+        self.prompt_tokens = Counter(
+            cb.GATEWAY_PROMPT_TOKENS, "Prompt tokens served.", tm, registry=self.registry
+        )
+        self.completion_tokens = Counter(
+            cb.GATEWAY_COMPLETION_TOKENS, "Completion tokens served.", tm, registry=self.registry
+        )
+        self.spilled_tokens = Counter(
+            cb.GATEWAY_SPILLED_TOKENS,
+            "Tokens of requests answered by the hosted API, by kind (prompt, completion).",
+            [*tm, cb.KIND_LABEL],
+            registry=self.registry,
+        )
         self.queue_wait = self._histogram(
             "queue_wait_seconds", "Time spent in the gateway queue.", tm
         )
@@ -137,6 +150,8 @@ class GatewayMetrics:
                 self.completion_tokens.labels(*key),
                 self.queue_wait.labels(*key),
                 self.ttft.labels(*key),
+                self.spilled_tokens.labels(*key, cb.PROMPT),
+                self.spilled_tokens.labels(*key, cb.COMPLETION),
             )
         return found
 
