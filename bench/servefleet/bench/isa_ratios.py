@@ -28,7 +28,8 @@ def baseline_of(arm: dict[str, Any], arms: list[dict[str, Any]]) -> dict[str, An
     commit may not have had bfloat16 matmuls: then bf16 is compared with what it ran)."""
     older = [a for a in arms if a["tree"] != CURRENT and a["isa_label"] == arm["isa_label"]]
     same = [a for a in older if a["matmul_dtype"] == arm["matmul_dtype"]]
-    return (same or older or [None])[0]
+    matches = same or older
+    return matches[0] if matches else None
 
 
 def add_ratios(result: dict[str, Any]) -> None:

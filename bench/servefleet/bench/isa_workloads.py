@@ -66,7 +66,10 @@ QUICK = Sizes(
 
 def workload_options(url: str, model: str, sizes: Sizes, seed: int) -> dict[str, BenchOptions]:
     common: dict[str, Any] = {"url": url, "model": model, "seed": seed, "request_timeout_s": 900.0}
-    sized = {"input_tokens": sizes.input_tokens, "output_tokens": sizes.output_tokens}
+    sized: dict[str, Any] = {
+        "input_tokens": sizes.input_tokens,
+        "output_tokens": sizes.output_tokens,
+    }
     return {
         "random_c1": BenchOptions(
             **common, **sized, concurrency=1, num_prompts=sizes.c1_prompts, warmup=1
