@@ -145,7 +145,7 @@ def test_the_setting_resolves_and_refuses(smollm2: Any) -> None:
         EngineConfig(model=MODEL, batch_invariant="yes")  # type: ignore[arg-type]
     matmul = model.matmul
     try:
-        model.set_matmul(dataclasses.replace(matmul, bf16_min_rows=8))
+        model.set_matmul(dataclasses.replace(matmul, bf16_min_rows=8, invariant=False))
         assert resolve_batch_invariant("auto", model) is False
         with pytest.raises(EngineSettingsError, match="--batch-invariant on: --matmul-dtype"):
             resolve_batch_invariant("on", model)
