@@ -141,3 +141,21 @@ def test_quick_run_of_the_real_engine_writes_the_schema(tmp_path: Path) -> None:
         assert arm["figures"][key] is not None, key
         assert arm["speedup_vs_default"][key] == 1.0, key
     assert all(arm["per_round"][f"{w}.failed"] == [0.0] for w in WORKLOADS)
+
+
+def test_a_tree_with_the_invariant_mode_also_runs_float32_with_it_off() -> None:
+    flags = {**NEW_FLAGS, "--batch-invariant": ["auto", "on", "off"]}
+    current = tree("current", flags, True)
+    arms = plan_arms([current, OLD], AVX512_BF16, with_plain=False)
+    assert [a.name for a in arms if a.tree == "current"] == [
+        "current/avx512/bfloat16",
+        "current/avx512/float32",
+        "current/avx2/bfloat16",
+        "current/avx2/float32",
+        "current/avx512/float32/invariant-off",
+        "current/avx2/float32/invariant-off",
+    ]
+    args, _, dropped = engine_args(current, arms[4], "m", 2, 16, "int8")
+    assert args[-2:] == ["--batch-invariant", "off"] and dropped == []
+    default_args, _, _ = engine_args(current, arms[1], "m", 2, 16, "int8")
+    assert "--batch-invariant" not in default_args

@@ -1,10 +1,11 @@
 """The ISA matrix's arms: every matmul build this CPU can run, for each engine source tree.
 
 An arm is one engine process: a source tree, an instruction-set cap on the C matmul kernels
-(`SERVEFLEET_MATMUL_ISA`; "native" is the default build, AVX-512 where the CPU has it) and a
-matmul dtype (bfloat16 only where the CPU multiplies it natively). A tree that does not know
-the cap or the dtype flag gets only its default for them, so an older commit runs what it
-can. Only flags the tree's engine lists in its `--help` are passed.
+(`SERVEFLEET_MATMUL_ISA`; "native" is the default build, AVX-512 where the CPU has it), a
+matmul dtype (bfloat16 only where the CPU multiplies it natively) and, for a tree that has
+the batch-invariant mode, float32 arms with it off beside the default (what invariance
+costs). A tree that does not know the cap or the dtype flag gets only its default for them,
+so an older commit runs what it can. Only flags the tree's engine lists in its `--help` are passed.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ class Arm(BaseModel):
     isa: str  # SERVEFLEET_MATMUL_ISA value; "native": unset
     isa_label: str  # what "native" is on this CPU
     matmul_dtype: str
+    batch_invariant: str = "default"  # "off": the engine's --batch-invariant off
 
     @property
     def name(self) -> str:
-        return f"{self.tree}/{self.isa_label}/{self.matmul_dtype}"
+        suffix = "" if self.batch_invariant == "default" else f"/invariant-{self.batch_invariant}"
+        return f"{self.tree}/{self.isa_label}/{self.matmul_dtype}{suffix}"
 
     @property
     def slug(self) -> str:
@@ -67,11 +70,18 @@ def plan_arms(trees: list[SourceTree], flags: set[str], with_plain: bool) -> lis
         dtypes = machine_dtypes(flags)
         if not tree.understands(flag("matmul_dtype"), BFLOAT16):
             dtypes = [FLOAT32]
-        arms += [
+        built = [
             Arm(tree=tree.label, isa=isa, isa_label=label, matmul_dtype=dtype)
             for isa, label in isas
             for dtype in dtypes
         ]
+        if tree.understands(flag("batch_invariant"), "off"):
+            built += [
+                a.model_copy(update={"batch_invariant": "off"})
+                for a in built
+                if a.matmul_dtype == FLOAT32
+            ]
+        arms += built
     return arms
 
 
@@ -100,6 +110,8 @@ def engine_args(
         ("--kv-cache-dtype", kv_cache_dtype),
         (flag("matmul_dtype"), arm.matmul_dtype),
     ]
+    if arm.batch_invariant != "default":
+        wanted.append((flag("batch_invariant"), arm.batch_invariant))
     args: list[str] = []
     dropped: list[str] = []
     for name, value in wanted:
