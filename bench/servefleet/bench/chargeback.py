@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servefleet.api import chargeback as cb
 from servefleet.api.chargeback_spec import HostedPrices, Prices
 from servefleet.api.usage_report import TenantTokens, UsageInputs, build_report
+from servefleet.bench.bench_output import save_result
 from servefleet.bench.engine_process import EngineProcess, thread_env
 
 KEY = "bench-key"
@@ -231,7 +232,7 @@ def plot(raw: dict[str, Any], run: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
@@ -242,18 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     with EngineProcess(args.model, log, flags, env=thread_env(args.threads)) as engine:
         raw = asyncio.run(drive(engine.base_url, args.minutes, args.seed, args.load))
     run = summarise(raw, args.minutes)
-    result = {
-        "benchmark": "chargeback",
+    fields = {
         "model": args.model,
         "threads": args.threads,
         "load": args.load,
         "tenants": [t.__dict__ for t in TENANTS],
-        "cpu_flags": sorted(cpu_flags()),
         "run": run,
         "scrapes": raw["scrapes"],
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(raw, run, args.out.with_suffix(".png"))
+    save_result(args.out, "chargeback", fields, lambda _, png: plot(raw, run, png))
     print(json.dumps({k: v for k, v in run.items() if k != "report_shared_idle"}, indent=1))
     return 0
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from servefleet.bench.bench_output import save_result
 from servefleet.bench.quant_formats import decode_seconds
 
 BUILTIN = "smollm2-135m-instruct"
@@ -98,7 +99,7 @@ def measure(
 def run(
     prompt_tokens: int, chunk: int, steps: int, repeats: int, out: Path, threads: int | None
 ) -> dict[str, object]:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     import torch
@@ -126,14 +127,10 @@ def run(
         "threads": torch.get_num_threads(),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "cpu_count": os.cpu_count(),
-        "cpu_flags": sorted(cpu_flags()),
         "modes": modes,
         "on_over_off": {key: round(on[key] / off[key], 3) for key in on},
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "invariance_cost.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(summary, out / "invariance_cost.png")
-    return summary
+    return save_result(out / "invariance_cost.json", "invariance_cost", summary, plot)
 
 
 def plot(summary: dict[str, object], path: Path) -> None:

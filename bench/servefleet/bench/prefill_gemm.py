@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from servefleet.bench.bench_output import save_result
+
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) of qkv, o, gate_up, down
 VOCAB = 49152
@@ -152,7 +154,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
@@ -161,14 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     builds = {"native": measure(args.rows, args.rounds), "avx2": run_avx2_child(args)}
     result = {
-        "benchmark": "prefill_gemm", "layers": LAYERS, "shapes_k_n": SHAPES, "vocab": VOCAB,
-        "rounds": args.rounds, "cpu_flags": sorted(cpu_flags()), "builds": builds,
+        "layers": LAYERS, "shapes_k_n": SHAPES, "vocab": VOCAB,
+        "rounds": args.rounds, "builds": builds,
         "ratios": {name: ratios(build) for name, build in builds.items()},
         "load_average": os.getloadavg(),
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    result = save_result(args.out, "prefill_gemm", result, plot)
     print(json.dumps(result["ratios"], indent=2))
     return 0
 

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from servefleet.api.step_cost import PROMPT_CHUNK_METRIC, STEP_COST_METRIC
+from servefleet.bench.bench_output import save_result
 from servefleet.bench.engine_process import EngineProcess, thread_env
 from servefleet.bench.kv_pd import AUTH, KEY, long_prompt
 from servefleet.bench.report import percentile
@@ -187,29 +188,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from servefleet.engine.cpu_isa import cpu_flags, ensure_safe_cpu_isa
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
 
     ensure_safe_cpu_isa()
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     measured = measure(args)
     fixed, adaptive = measured["runs"]
-    result = {
-        "benchmark": "prefill_itl",
+    fields = {
         "conditions": "measured under load (machine shared with other work): compare ratios",
         "model": args.model,
         "streams": args.streams,
         "rounds_per_arm": args.rounds,
         "adaptive_target": args.target,
         "threads_per_engine": 1,
-        "cpu_flags": sorted(cpu_flags()),
         **measured,
         "itl_p99_ratio_adaptive_over_fixed": adaptive["itl_p99_ms"] / fixed["itl_p99_ms"],
         "itl_max_ratio_adaptive_over_fixed": adaptive["itl_max_ms"] / fixed["itl_max_ms"],
         "ttft_ratio_adaptive_over_fixed": adaptive["long_ttft_ms"] / fixed["long_ttft_ms"],
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    result = save_result(args.out, "prefill_itl", fields, plot)
     for run in result["runs"]:
         print(json.dumps({k: v for k, v in run.items() if k != "timeline"}))
     print(json.dumps({k: v for k, v in result.items() if "ratio" in k or k == "adaptive_engine"}))
