@@ -34,6 +34,9 @@ from servefleet.local.supervisor import DeploymentSupervisor
 from servefleet.local.tenants import resolve_local_tenants
 
 MODEL = "smollm2-135m-instruct"
+# Long enough to outlast the third replica's prefill of the same prompt (per-row attention in
+# the CPU engine's batch-invariant mode makes that prefill the slower part).
+STREAM_TOKENS = 480
 MANIFEST = f"""
 apiVersion: servefleet.io/v1alpha1
 kind: LLMDeployment
@@ -139,7 +142,9 @@ async def _failover(
     pool = gateway.pools["smollm2"]
     text = _prompt("failover")
     pieces: list[str] = []
-    task = asyncio.create_task(_stream(client, plane.base_url, key, _body(text, 160), pieces))
+    task = asyncio.create_task(
+        _stream(client, plane.base_url, key, _body(text, STREAM_TOKENS), pieces)
+    )
     await _until(lambda: _true(len(pieces) >= 2), 120, "the stream's first tokens")
     (victim,) = [r for r in pool.replicas.replicas.values() if r.outstanding]
     # where the gateway will continue it (the least loaded other replica), and the third,
@@ -154,9 +159,9 @@ async def _failover(
     os.kill(pid, signal.SIGKILL)
     broken = await task
     assert await _imported(client, target.endpoint) > before, "the continuation pulled nothing"
-    whole = await _stream(client, plane.base_url, key, _body(text, 160), [])
+    whole = await _stream(client, plane.base_url, key, _body(text, STREAM_TOKENS), [])
     assert broken["text"] == whole["text"]
-    assert broken["usage"]["completion_tokens"] == 160
+    assert broken["usage"]["completion_tokens"] == STREAM_TOKENS
 
 
 async def _true(value: bool) -> bool:
