@@ -5,6 +5,8 @@ Each server's document is fetched, generation is bounded for the run (the model 
 completion tokens, n <= 2) so thousands of cases fit in minutes, and schemathesis sends valid
 and invalid requests to every operation. Every answer must be a non-5xx, and every 4xx the
 OpenAI error body the document declares (`response_schema_conformance` checks the `4XX` schema).
+A short second pass sends only schema-valid cases to the two generating operations, so valid
+requests are shown to reach the model whatever share of the first pass's time they got.
 Strings are generated as UTF-8, so what only escapes can send (a lone `\\ud800`) is pinned
 in `tests/test_fuzz_regressions.py` instead.
 Run it on its own:
@@ -42,7 +44,9 @@ MODEL = "smollm2-135m-instruct"
 ENGINE_KEY = "engine-fuzz-key"
 TENANT_KEY = "tenant-fuzz-key"
 READY_TIMEOUT_S = float(os.environ.get("SERVEFLEET_E2E_READY_S", "240"))
-FUZZ_SECONDS = int(os.environ.get("SERVEFLEET_E2E_FUZZ_S", "80"))  # per server
+FUZZ_SECONDS = int(os.environ.get("SERVEFLEET_E2E_FUZZ_S", "70"))  # per server
+VALID_SECONDS = 25  # the valid-only pass on the two generating operations
+GENERATING = "^/v1/(chat/)?completions$"
 MAX_FUZZ_TOKENS = 4
 ENGINE_ARGS = ["--max-num-seqs", "4", "--threads", "1", "--kv-cache-memory", "64MiB"]
 ENGINE_ARGS += ["--max-model-len", "256", "--api-key", ENGINE_KEY]
@@ -147,22 +151,31 @@ def bounded_for_fuzzing(document: dict[str, Any]) -> dict[str, Any]:
     return document
 
 
-def _fuzz(server: Server, key: str, work: Path) -> dict[str, Any]:
-    """Run schemathesis against `server`; its JSON report (cases, failures)."""
+def _fuzz(server: Server, key: str, work: Path, *only: str) -> dict[str, Any]:
+    """Run schemathesis against `server` (with `only` its arguments that narrow the run); its
+    JSON report (cases, failures)."""
     # The engine's document is behind its key like every path but the probes.
     headers = {"authorization": f"Bearer {key}"}
     document = httpx.get(server.url + "/openapi.json", headers=headers, timeout=10).json()
     schema_file = work / f"{server.name}-openapi.json"
     schema_file.write_text(json.dumps(bounded_for_fuzzing(document)))
-    report = work / f"{server.name}-report.json"
+    report = work / f"{server.name}{len(only)}-report.json"
     argv = [str(Path(sys.executable).parent / "st"), "run", str(schema_file), "--url", server.url]
     # One worker: with several, hypothesis's strategy reprs race in ast.parse (a SystemError).
     argv += ["--checks", CHECKS, "-H", f"Authorization: Bearer {key}", "--workers", "1"]
-    argv += ["--max-time", str(FUZZ_SECONDS), "--max-examples", "300", "--request-timeout", "120"]
-    argv += ["--seed", "1", "--no-shrink", "--mode", "all", "--suppress-health-check", "all"]
+    argv += ["--max-examples", "300", "--request-timeout", "120"]
+    argv += ["--seed", "1", "--no-shrink", "--suppress-health-check", "all"]
     argv += ["--report", "json", "--report-json-path", str(report), "--no-color"]
-    argv += ["--phases", "coverage,fuzzing"]  # no links between operations: nothing stateful
     argv += ["--generation-database", "none"]
+    # no links between operations: nothing stateful
+    argv += only or [
+        "--max-time",
+        str(FUZZ_SECONDS),
+        "--mode",
+        "all",
+        "--phases",
+        "coverage,fuzzing",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=FUZZ_SECONDS * 3, cwd=work)
     print(done.stdout[-6000:])
     assert report.exists(), f"schemathesis wrote no report:\n{done.stdout}\n{done.stderr}"
@@ -189,6 +202,11 @@ def test_fuzz_finds_no_server_error(
     print(f"{name}: {cases['generated']} cases, {cases['with_failures']} with failures")
     assert report["failures"] == [] and report["errors"] == [] and cases["with_failures"] == 0
     assert cases["generated"] >= 300
+    # Valid requests reach the model too, whatever share of the time above they got: a
+    # short pass of schema-valid cases on the two operations that generate.
+    valid = ["--include-path-regex", GENERATING, "--mode", "positive", "--phases", "fuzzing"]
+    report = _fuzz(server, key, tmp_path, *valid, "--max-time", str(VALID_SECONDS))
+    assert report["failures"] == [] and report["errors"] == []
     for operation in ("POST /v1/chat/completions", "POST /v1/completions"):
         assert _accepted(report, operation) > 0, f"no valid {operation} reached {name}"
     for child in servers.values():

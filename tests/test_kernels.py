@@ -23,14 +23,15 @@ from servefleet.engine.attention import DecodeKernel, torch_paged_decode
 from servefleet.engine.kernels import (
     KernelUnavailableError,
     _select,
+    cbuild,
     select_decode_kernel,
 )
 from servefleet.engine.kernels import cpu_paged_decode as cpu_module
 from servefleet.engine.kernels.cpu_paged_decode import (
+    OPTIMISE_FLAGS,
     THREADING_FLAGS,
     CpuPagedDecode,
     Threading,
-    build_library,
     find_compiler,
     load_cpu_paged_decode,
 )
@@ -296,14 +297,25 @@ def test_cpu_kernel_rejects_block_ids_outside_pool(
 def test_library_is_cached_by_key_and_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SERVEFLEET_CACHE_DIR", str(tmp_path))
-    first = build_library("single")
-    assert first.parent == tmp_path / "kernels"
+    """The cache itself, on a one-function source (the kernels' own take minutes to build
+    twice; every other test here builds and loads them)."""
+    monkeypatch.setenv("SERVEFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "src" / "tiny.c"
+    source.parent.mkdir()
+    source.write_text("int sf_tiny(int x) { return x + 1; }\n")
+
+    def build(threading: Threading) -> Path:
+        return cbuild.build_library(source, OPTIMISE_FLAGS, threading)
+
+    first = build("single")
+    assert first.parent == tmp_path / "cache" / "kernels"
     stamp = first.stat().st_mtime_ns
-    second = build_library("single")
+    second = build("single")
     assert second == first and second.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp files left
-    assert build_library("pthreads") != first  # flags are part of the key
+    assert build("pthreads") != first  # flags are part of the key
+    (source.parent / "shared.h").write_text("/* a header beside the source */\n")
+    assert build("single") != first  # and the headers next to it
 
 
 def test_missing_compiler_falls_back_with_logged_reason(

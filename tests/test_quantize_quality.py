@@ -41,6 +41,7 @@ PROMPT_TOKENS = 48
 BLOCK = 16
 GOALS = {"int8": 0.01, "int4": 0.05}  # relative perplexity increase allowed
 MIN_AGREEMENT = {"int8": 0.95, "int4": 0.90}
+EMULATED_PROMPTS = 8
 
 pytestmark = pytest.mark.usefixtures("require_compiler")
 
@@ -147,10 +148,14 @@ def test_bfloat16_prompt_matmuls_meet_the_int8_goals(
 ) -> None:
     """`--matmul-dtype bfloat16` on float weights, every projection call taken as a
     prompt-sized one (max_rows=0: oneDNN): +0.12 % perplexity, 99.3 % top-1 when written."""
-    base_ppl, base_logits = reference
-    loaded = float_model(float_checkpoint, None)
     kernel = select_small_mm("cpu")
     assert kernel is not None
+    # Without bfloat16 hardware oneDNN emulates every product (minutes for all the prompts):
+    # there the goals are checked on the first EMULATED_PROMPTS (~380 positions).
+    count = len(prompts) if kernel.bf16_products else EMULATED_PROMPTS
+    prompts, base_logits = prompts[:count], reference[1][:count]
+    base_ppl = perplexity(base_logits, prompts)
+    loaded = float_model(float_checkpoint, None)
     loaded.model.set_matmul(SmallRowsMatmul(kernel, max_rows=0, bf16_min_rows=1))
     logits = prompt_logits(loaded, prompts)
     ppl, top1 = perplexity(logits, prompts), agreement(logits, base_logits)

@@ -70,7 +70,50 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
+def _part(kind: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"type": {"const": kind}, kind: {"type": "string"}},
+        "required": ["type", kind],
+        "additionalProperties": False,
+    }
+
+
+def _role_variants(schema: dict[str, Any]) -> None:
+    """Document what the validators below enforce, one object per role group, so a client
+    generator (or a fuzzer) builds valid messages: which fields each role carries, that a
+    tool message needs `tool_call_id`, and that content parts are `text` (or `refusal` on an
+    assistant). The model itself stays one class; only its published schema is split."""
+    props = schema.pop("properties")
+    schema.pop("required", None)
+    schema.pop("additionalProperties", None)
+    schema.pop("type", None)
+
+    def variant(roles: list[str], parts: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+        array = {"type": "array", "items": {"anyOf": [_part(k) for k in parts]}}
+        content = {"anyOf": [{"type": "string"}, array, {"type": "null"}]}
+        fields: dict[str, Any] = {"role": {"type": "string", "enum": roles}, "content": content}
+        fields |= {"name": props["name"], "function_call": props["function_call"]}
+        fields |= {"audio": props["audio"], **extra}
+        required = ["role", *(k for k in extra if k == "tool_call_id")]
+        return {
+            "type": "object",
+            "properties": fields,
+            "required": required,
+            "additionalProperties": False,
+        }
+
+    assistant = {"tool_calls": props["tool_calls"], "refusal": props["refusal"]}
+    schema["anyOf"] = [
+        variant(["system", "user", "developer"], ["text"], {}),
+        variant(["assistant"], ["text", "refusal"], assistant),
+        variant(["tool"], ["text"], {"tool_call_id": {"type": "string"}}),
+    ]
+
+
 class ChatMessage(StrictModel):
+    model_config = ConfigDict(json_schema_extra=_role_variants)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: MessageContent = None
     name: str | None = None

@@ -126,7 +126,8 @@ def _request_schemas() -> dict[str, Any]:
     _, top = models_json_schema([(m, "validation") for m in models], ref_template=SCHEMA_REF)
     schemas: dict[str, Any] = top.get("$defs", {})
     for schema in schemas.values():
-        _document_refused(schema.get("properties", {}))
+        for variant in [schema, *schema.get("anyOf", ())]:  # ChatMessage: one per role
+            _document_refused(variant.get("properties", {}))
     return schemas
 
 

@@ -8,18 +8,25 @@ are neither masked nor copied (`bench/servefleet/bench/grammar_masks.py` measure
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from servefleet.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# xgrammar (and the transformers it imports: seconds of CPU) loads at the first constrained
+# step, not with the engine: a start-up imports only what every request needs.
 _batch_matcher: xgr.BatchGrammarMatcher | None = None
 
 
 def _filler() -> xgr.BatchGrammarMatcher:
     global _batch_matcher
     if _batch_matcher is None:
+        import xgrammar as xgr
+
         _batch_matcher = xgr.BatchGrammarMatcher()
     return _batch_matcher
 
@@ -29,6 +36,8 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return
+    import xgrammar as xgr
+
     matchers = [m for s in seqs if (m := s.grammar) is not None]
     bitmask = xgr.allocate_token_bitmask(len(seqs), logits.shape[-1])
     if len(rows) == 1:

@@ -12,25 +12,26 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
-
-from xgrammar import CompiledGrammar
+from typing import TYPE_CHECKING, Any
 
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import ChatCompletionRequest, SamplingRequest
 from servefleet.engine.prepare_pool import Budget, TooComplex
-from servefleet.engine.structured.compile_worker import CompilerUnavailable, CompileTimeout
 from servefleet.engine.structured.constraint import (
     ConstraintError,
     ConstraintSpec,
     requested_constraint,
 )
-from servefleet.engine.structured.grammars import GrammarCache
 from servefleet.engine.structured.tool_calls import ToolPlan, tool_constraint, tool_plan
 from servefleet.engine.structured.tool_parsers import TOOL_CALL_PARSERS, parser_for_template
 from servefleet.engine.structured.tool_prompt import template_inputs
 from servefleet.text.chat_template import ChatTemplate
 from servefleet.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the grammar library loads with the first grammar: seconds off start-up
+    from xgrammar import CompiledGrammar
+
+    from servefleet.engine.structured.grammars import GrammarCache
 
 
 @dataclass
@@ -59,6 +60,8 @@ class StructuredOutputs:
 
     @property
     def grammars(self) -> GrammarCache:
+        from servefleet.engine.structured.grammars import GrammarCache
+
         with self._lock:
             if self._grammars is None:
                 self._grammars = GrammarCache(self.tokenizer)
@@ -77,6 +80,8 @@ class StructuredOutputs:
         """The grammar, from the cache or compiled within `budget` (TooComplex past it)."""
         if spec is None:
             return None
+        from servefleet.engine.structured.compile_worker import CompilerUnavailable, CompileTimeout
+
         try:
             return self.grammars.compile(spec, budget)
         except ConstraintError as exc:
