@@ -534,7 +534,15 @@ def test_operator_restart_creates_no_duplicates_and_keeps_status(
         "-p",
         '{"status":{"queueDepth":5}}',
     )
-    before = {n: status(kube, namespace, n) for n in names}
+    # What the restart must keep is the settled status: the operator may still be folding in
+    # the pods' readiness (a condition's lastTransitionTime) when the last one reads ready.
+    seen: list[dict[str, Any]] = []
+
+    def settled() -> dict[str, Any] | None:
+        seen.append({n: status(kube, namespace, n) for n in names})
+        return seen[-1] if len(seen) > 1 and seen[-1] == seen[-2] else None
+
+    before = wait_for("the status to settle", settled, timeout=60, interval=4)
 
     operator.restart(hard=False)
     time.sleep(8)  # resume handlers and at least two drift-repair rounds
