@@ -330,8 +330,8 @@ def test_no_tenant_side_pod_reaches_engines_gateway_internals_or_redis(stack: St
     targets = forbidden | {"gateway tenant port": stack.port("gateway", "http")}
     with VictimWindow(url, VICTIM, WARMUP_S):
         pass  # first requests after the engine starts are slow: not part of the baseline
-    results = []
-    for name, pod in pods.items():
+
+    def attack(name: str, pod: str) -> AttackResult:
         # Each attack against the quiet run just before it: a shared two-core machine
         # drifts over minutes more than any one attack window moves.
         with VictimWindow(url, VICTIM, WINDOW_S) as quiet_window:
@@ -340,6 +340,19 @@ def test_no_tenant_side_pod_reaches_engines_gateway_internals_or_redis(stack: St
         with VictimWindow(url, VICTIM, WINDOW_S) as window:
             tallies = probe(stack.kube, namespaces[name], pod, targets, seconds=WINDOW_S)
         judge(result, tallies, forbidden, quiet_window.figures, window.figures)
+        return result
+
+    results = []
+    for name, pod in pods.items():
+        result = attack(name, pod)
+        if result.violations and all(v.startswith("victim p99") for v in result.violations):
+            # Every connection was blocked; only the victim's p99 moved. A p99 of a few dozen
+            # requests on two shared cores swings 3x between quiet windows (seen: 367 to
+            # 1117 ms), so a slowdown counts when the same attack shows it twice in a row.
+            print(f"{name}: {result.violations[0]}; measuring again")
+            first = result.victim
+            result = attack(name, pod)
+            result.figures["first_measurement"] = first
         results.append(result)
     print(f"each attacker tried: {', '.join(forbidden)}")
     print(table(results))
