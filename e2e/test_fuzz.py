@@ -29,6 +29,7 @@ import httpx
 import pytest
 from procs import free_port, servefleet_command
 
+from servefleet.api.batches import BatchConfig
 from servefleet.api.gateway_config import (
     ApiKeyRef,
     GatewayConfig,
@@ -99,6 +100,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         key_file.write_text(ENGINE_KEY)
         config = GatewayConfig(
             host="127.0.0.1",
+            batch=BatchConfig(store_dir=str(logs / "batches")),  # /v1/files, /v1/batches too
             tenants=[
                 GatewayTenant(name="fuzz", api_keys=[ApiKeyRef(sha256=hash_api_key(TENANT_KEY))])
             ],

@@ -17,6 +17,7 @@ from servefleet.api.kv_events import EVENTS_PATH
 from servefleet.api.kv_transfer import EXPORT_PATH, IMPORT_PATH, INFO_PATH, LOOKUP_PATH
 from servefleet.api.kv_warm import HOT_PATH, WARM_PATH
 from servefleet.api.openai_requests import REFUSED_FIELDS
+from servefleet.api.openapi_batches import batch_paths
 from servefleet.api.openapi_doc import OPENAPI_PATH, OPERATIONS, openapi_document
 from servefleet.engine.server import build_app
 from servefleet.engine.serving_state import ServingState
@@ -187,7 +188,7 @@ def test_the_gateway_documents_its_tenant_port() -> None:
     engine_only = {"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     engine_only |= {INFO_PATH, LOOKUP_PATH, EXPORT_PATH, IMPORT_PATH, HOT_PATH, WARM_PATH}
     engine_only.add(EVENTS_PATH)
-    assert set(document["paths"]) == set(OPERATIONS) - engine_only
+    assert set(document["paths"]) == set(OPERATIONS) - engine_only | set(batch_paths())
     for path in ("/tokenize", "/v1/models", "/v1/chat/completions"):
         assert next(iter(document["paths"][path].values()))["security"] == [{"bearerKey": []}]
     assert document["paths"]["/health"]["get"]["security"] == []

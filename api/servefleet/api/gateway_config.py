@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from servefleet.api.batches import BatchConfig
 from servefleet.api.budgets import TokenPrices
 from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.llmdeployment import (
@@ -361,6 +362,9 @@ class GatewayConfig(ConfigModel):
         pattern=r"^https?://[^@/]+(/.*)?$",
         description="Prometheus that GET /internal/usage reads counter increases from (the "
         "platform admin's; no credentials in the URL). Unset: that path answers 501.",
+    )
+    batch: BatchConfig | None = Field(
+        default=None, description="The Batch API (/v1/files, /v1/batches); unset: not served."
     )
     tenant_series_limit: int = Field(
         default=100,

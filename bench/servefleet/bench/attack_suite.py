@@ -77,7 +77,12 @@ _STACK = (
     internal.internal_without_key,
     internal.hostile_replicas,
 )
-_LOCAL = (local.local_slowloris, local.local_huge_head, local.local_engine_bypass)
+_LOCAL = (
+    local.local_slowloris,
+    local.local_huge_head,
+    local.local_engine_bypass,
+    local.local_batch_snooping,
+)
 ATTACKS: dict[str, Attack] = {
     a.name: a for a in [Attack("stack", f) for f in _STACK] + [Attack("local", f) for f in _LOCAL]
 }

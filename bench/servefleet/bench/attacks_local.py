@@ -7,6 +7,7 @@ gateway's keys and limits.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -63,6 +64,7 @@ class LocalUp:
         port = free_port()
         argv = [*servefleet_command(), "up", str(manifest), "--port", str(port)]
         argv += ["--log-dir", str(self.workdir / "logs")]
+        argv += ["--batch-dir", str(self.workdir / "batches")]
         self.part = Part("servefleet-up", argv, f"http://127.0.0.1:{port}", self.workdir / "up.log")
         self.part.start()
         deadline = time.monotonic() + ready_timeout_s
@@ -160,3 +162,51 @@ def local_engine_bypass(up: LocalUp, result: AttackResult) -> None:
             result.figures[path] = response.status_code
             result.require(response.status_code == 401, f"{url}{path}: {response.status_code}")
     result.outcome = f"engines on {', '.join(listening)}; 401 without the run's engine key"
+
+
+def local_batch_snooping(up: LocalUp, result: AttackResult) -> None:
+    """servefleet up: a tenant reads, deletes, cancels and reuses another tenant's batch.
+
+    Files and batches are per tenant: another's id is the 404 of an id that does not exist."""
+    mine = {"authorization": f"Bearer {api_key(LOCAL_ATTACKER)}"}
+    theirs = {"authorization": f"Bearer {api_key(LOCAL_VICTIM)}"}
+    line: dict[str, object] = {"custom_id": "v", "method": "POST", "url": "/v1/chat/completions"}
+    line["body"] = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with httpx.Client(base_url=up.url, timeout=30) as http:
+        upload = {"file": ("v.jsonl", json.dumps(line).encode() + b"\n")}
+        file_id = http.post(
+            "/v1/files", files=upload, data={"purpose": "batch"}, headers=theirs
+        ).json()["id"]
+        create = {"input_file_id": file_id, "endpoint": line["url"], "completion_window": "24h"}
+        batch_id = http.post("/v1/batches", json=create, headers=theirs).json()["id"]
+        tries = {
+            "read file": http.get(f"/v1/files/{file_id}", headers=mine),
+            "download file": http.get(f"/v1/files/{file_id}/content", headers=mine),
+            "delete file": http.delete(f"/v1/files/{file_id}", headers=mine),
+            "read batch": http.get(f"/v1/batches/{batch_id}", headers=mine),
+            "cancel batch": http.post(f"/v1/batches/{batch_id}/cancel", headers=mine),
+            "climb to it": http.get(
+                f"/v1/files/..%2F..%2F{LOCAL_VICTIM}%2Ffiles%2F{file_id}", headers=mine
+            ),
+        }
+        reuse = http.post("/v1/batches", json=create, headers=mine)
+        listed = http.get("/v1/files", headers=mine).json()["data"]
+        deadline = time.monotonic() + 120
+        status = ""
+        while time.monotonic() < deadline and status != "completed":
+            status = http.get(f"/v1/batches/{batch_id}", headers=theirs).json()["status"]
+            time.sleep(0.5)
+        kept = http.get(f"/v1/files/{file_id}/content", headers=theirs)
+    got = {what: answer.status_code for what, answer in tries.items()}
+    result.figures.update({"answers": got, "reuse": reuse.status_code, "victim_batch": status})
+    for what, code in got.items():
+        result.require(code == 404, f"{what}: {code}")
+    result.require(reuse.status_code == 400, f"a batch from another's file: {reuse.status_code}")
+    result.require(all(f["id"] != file_id for f in listed), "another's file is listed")
+    result.require(status == "completed", f"the victim's batch ended {status!r}")
+    result.require(kept.status_code == 200, "the victim's file is gone")
+    result.outcome = "404 on every id of another tenant; 400 on reuse; the victim's batch completed"

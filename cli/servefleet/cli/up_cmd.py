@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path.home() / ".cache" / "servefleet" / "local" / "logs",
         help="engine replica logs",
     )
+    a(
+        "--batch-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "servefleet" / "local" / "batches",
+        help="the Batch API's files, batches and journals (kept across runs: a batch left "
+        "unfinished resumes at the next start)",
+    )
     add_logging_arguments(parser)
 
 
@@ -88,7 +95,11 @@ def run(args: argparse.Namespace) -> int:
             engine_command(dep.spec, ENGINE_HOST, 0, volumes=volumes)
         check_local_adapters(adapters, tenants.deployments, volumes)
         options = LocalOptions(
-            log_dir=args.log_dir, host=args.host, port=args.port, volumes=volumes
+            log_dir=args.log_dir,
+            host=args.host,
+            port=args.port,
+            volumes=volumes,
+            batch_dir=args.batch_dir,
         )
         plane = LocalControlPlane(tenants.deployments, tenants, options, adapters)
         plane.gateway_config()  # what the gateway would refuse (e.g. one name, two models)

@@ -13,18 +13,24 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
 
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_version import version_body
 from servefleet.api.openai_wire import headers_too_large, send_header_error
+from servefleet.api.openapi_batches import with_batches
 from servefleet.api.openapi_doc import OPENAPI_PATH, openapi_document
 from servefleet.api.usage_query import prometheus_query
 from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
+from servefleet.gateway.batch_api import BatchApi, is_batch_path
+from servefleet.gateway.batch_calls import call_in_process
+from servefleet.gateway.batch_runner import BatchRunner
+from servefleet.gateway.batch_store import BatchStore
 from servefleet.gateway.completion import CompletionHandler
 from servefleet.gateway.endpoints import ENDPOINTS, model_card_body, tenant_document
 from servefleet.gateway.errors import method_not_allowed
@@ -62,11 +68,13 @@ USAGE_QUERY_TIMEOUT_S = 30.0  # one Prometheus query of /internal/usage
 _KEYED_PATHS = [*ENDPOINTS, "/v1/models", "/v1/models/{model}"]
 _GET_PATHS = frozenset({"/v1/models", "/version", "/health", "/ready", OPENAPI_PATH})
 _OPENAPI = json.dumps(
-    tenant_document(
-        openapi_document(
-            "servefleet gateway",
-            [*_KEYED_PATHS, "/version", "/health", "/ready", OPENAPI_PATH],
-            _KEYED_PATHS,
+    with_batches(
+        tenant_document(
+            openapi_document(
+                "servefleet gateway",
+                [*_KEYED_PATHS, "/version", "/health", "/ready", OPENAPI_PATH],
+                _KEYED_PATHS,
+            )
         )
     )
 ).encode()
@@ -114,11 +122,32 @@ class Gateway:
             prometheus_query(usage, USAGE_QUERY_TIMEOUT_S) if usage else None,
         )
         """The ASGI app of the internal port: /metrics and /internal/* (never the tenant port)."""
+        self._batches = self._batch_api(config)
+        self._batch_task: asyncio.Task[None] | None = None
         self._prober = ReplicaProber(clock)
         self._pool_tasks = PoolTasks(kubernetes)
         self._probe_task: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None  # renews Redis concurrency leases
         self._ready = False
+
+    def _batch_api(self, config: GatewayConfig) -> BatchApi | None:
+        """The Batch API when configured: its lines go to the completion handler, with the
+        route table current when each line starts."""
+        if config.batch is None:
+            return None
+        store = BatchStore(Path(config.batch.store_dir))
+
+        def complete(scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+            endpoint = ENDPOINTS[scope["path"]]
+            return self._completions.handle(self.table, scope, receive, send, endpoint)
+
+        runner = BatchRunner(
+            store,
+            lambda tenant, path, body: call_in_process(complete, tenant, path, body),
+            concurrency=config.batch.line_concurrency,
+            retry_s=config.batch.retry_seconds,
+        )
+        return BatchApi(store, runner, config.batch.max_file_bytes)
 
     # -- what the current table says -------------------------------------------------------
     @property
@@ -147,10 +176,17 @@ class Gateway:
             )
         for pool in with_prefill(self.pools.values()):
             self._pool_tasks.start(pool)
+        if self._batches is not None:
+            self._batch_task = asyncio.create_task(self._batches.runner.run(), name="batches")
         self._ready = True
 
     async def stop(self) -> None:
         self._ready = False
+        if self._batch_task is not None:  # lines in flight run again after a restart
+            self._batch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._batch_task
+            self._batch_task = None
         if self._probe_task is not None:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -271,6 +307,14 @@ class Gateway:
             tenant = table.keys.require_tenant(header(scope, b"authorization"))
             model = path.removeprefix("/v1/models/")
             await respond(send, 200, model_card_body(table, tenant, model))
+        elif is_batch_path(path):
+            if self._batches is None:
+                raise OpenAIError(
+                    status=404,
+                    message="The Batch API is not enabled on this gateway.",
+                    code="unknown_url",
+                )
+            await self._batches.handle(table, scope, receive, send)
         elif method == "GET" and path == "/version":
             await respond(send, 200, json.dumps(version_body()).encode())
         elif method == "GET" and path == "/health":

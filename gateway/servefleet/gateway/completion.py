@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from dataclasses import replace
 
 from servefleet.api.openai_errors import OpenAIError, error_bytes
 from servefleet.gateway.access_log import AccessLog
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
+from servefleet.gateway.batch_calls import TRAFFIC_CLASS, TRUSTED_TENANT
 from servefleet.gateway.budget_replies import (
     budget_headers,
     exhausted_body,
@@ -41,6 +43,7 @@ from servefleet.gateway.limit_headers import ratelimit_headers, retry_headers
 from servefleet.gateway.limits import Limiter, RequestTooLarge, Reservation
 from servefleet.gateway.metrics import GatewayMetrics
 from servefleet.gateway.pool import Lease, PoolRequest, Shed, Spill
+from servefleet.gateway.queueing import TrafficClass
 from servefleet.gateway.retry_promises import retry_key
 from servefleet.gateway.route_table import RouteTable
 
@@ -65,10 +68,16 @@ class CompletionHandler:
     ) -> None:
         started = self._clock()
         request_id = "req-" + secrets.token_hex(8)
-        tenant = table.keys.require_tenant(header(scope, b"authorization"))
+        trusted = scope.get(TRUSTED_TENANT)  # a batch line (`batch_calls`): set in-process only
+        if isinstance(trusted, str):
+            tenant = trusted
+        else:
+            tenant = table.keys.require_tenant(header(scope, b"authorization"))
         raw = await read_body(receive)
         parsed, request = parse(raw, endpoint)
         route = route_for(table, tenant, request)
+        if scope.get(TRAFFIC_CLASS) == "batch":
+            route = replace(route, traffic_class=TrafficClass.BATCH)
         counted = await count_prompt(route, request, parsed)
         prompt_tokens, affinity_key = counted.tokens, counted.affinity_key
         shape = shape_of(request)

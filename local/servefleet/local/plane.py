@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from servefleet.api.batches import BatchConfig
 from servefleet.api.disaggregation import Role
 from servefleet.api.engines import engine_adapter
 from servefleet.api.gateway_config import GatewayConfig
@@ -78,6 +79,8 @@ class LocalOptions:
     # Folders standing for PersistentVolumeClaims (`--volume CLAIM=DIR`): pvc sources of
     # models and adapters are read there (`servefleet.api.local_volumes`).
     volumes: dict[str, str] = field(default_factory=dict)
+    # The Batch API's files, batches and journals (`servefleet up --batch-dir`); None: off.
+    batch_dir: Path | None = None
 
     def engine_argv(
         self, spec: LLMDeploymentSpec, port: int, role: Role | None = None
@@ -121,7 +124,7 @@ class LocalControlPlane:
         def resolve(ref: SecretKeyRef) -> str | None:
             return self.engine_key if ref == ENGINE_KEY_REF else self.tenants.resolve(ref)
 
-        return render_gateway_config(
+        config = render_gateway_config(
             self.deployments,
             endpoints={},
             key_source=ResolvedSecretKeys(resolve),
@@ -133,6 +136,9 @@ class LocalControlPlane:
             local_volumes=opts.volumes,
             prefill_endpoints=prefill_endpoints(self.prefill_ports),
         )
+        if opts.batch_dir is not None:
+            config.batch = BatchConfig(store_dir=str(opts.batch_dir))
+        return config
 
     def engine_env(self, spec: LLMDeploymentSpec) -> dict[str, str]:
         """An engine's environment: ours (or the options'), plus the key it must require."""

@@ -1,0 +1,191 @@
+"""Runs accepted batches: each line through the gateway's own admission as the `batch`
+traffic class, so batch work takes only what interactive traffic leaves (the pool serves
+interactive requests first and sheds batch ones first).
+
+A line the pool or the limits turn away for now (429 rate limit, 503 overloaded or limits
+unavailable) is not an answer: it is tried again after `retry_s`, so a batch waits for spare
+capacity instead of failing. Every other answer is final and journaled (`BatchStore`) before
+the next line is counted, so a gateway restarted mid-batch resumes after the lines it has
+journaled. A line in flight when the gateway dies runs again after the restart: a line is
+journaled, and so charged in the report, once, but the engine may have computed it twice.
+At the end (every line answered, the batch cancelled, or its window past) the output and error
+files are written from the journal in input order and the batch is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from servefleet.api.batches import Batch, BatchLine, output_line, parse_lines
+from servefleet.gateway.batch_store import BatchStore
+
+log = logging.getLogger("servefleet.gateway.batches")
+
+# (tenant, path, body) -> (status, response body, request id)
+LineCaller = Callable[[str, str, bytes], Awaitable[tuple[int, bytes, str]]]
+NOT_NOW_CODES = frozenset({"rate_limit_exceeded", "overloaded", "budget_unavailable"})
+
+
+def is_not_now(status: int, body: bytes) -> bool:
+    """A refusal that says "later", not "no": the line is tried again."""
+    if status not in (429, 503):
+        return False
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return status == 503
+    return code in NOT_NOW_CODES or (status == 503 and code != "insufficient_quota")
+
+
+class BatchRunner:
+    """One task for every open batch of the store, oldest first."""
+
+    def __init__(
+        self,
+        store: BatchStore,
+        call: LineCaller,
+        *,
+        concurrency: int = 4,
+        retry_s: float = 2.0,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self._call = call
+        self._concurrency = concurrency
+        self._retry_s = retry_s
+        self._poll_s = poll_s
+        self._clock = clock
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """A batch was created or cancelled: look now, not at the next poll."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            for batch in await asyncio.to_thread(self.store.open_batches):
+                try:
+                    await self.advance(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("batch_failed_to_advance id=%s", batch.id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+            self._wake.clear()
+
+    async def advance(self, batch: Batch) -> None:
+        """Run what is left of `batch` until it is answered, cancelled or expired."""
+        if await asyncio.to_thread(self._stopped, batch):
+            await self.finish(batch)
+            return
+        data = await asyncio.to_thread(self.store.file_content, batch.tenant, batch.input_file_id)
+        lines, _ = parse_lines(data or b"", batch.endpoint)
+        done = {r["index"] for r in await asyncio.to_thread(self.store.results, batch)}
+        pending = iter([(i, line) for i, line in enumerate(lines) if i not in done])
+
+        async def worker() -> None:  # workers share one iterator: each line is taken once
+            for index, line in pending:
+                await self._run_line(batch, index, line)
+
+        count = min(self._concurrency, len(lines) - len(done))
+        tasks = [asyncio.create_task(worker()) for _ in range(max(count, 0))]
+        try:
+            while tasks:
+                finished, running = await asyncio.wait(tasks, timeout=self._poll_s)
+                for task in finished:
+                    task.result()
+                tasks = list(running)
+                stopped = await asyncio.to_thread(self._stopped, batch)
+                if tasks and stopped:
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.finish(batch)
+
+    def _stopped(self, batch: Batch) -> bool:
+        current = self.store.batch(batch.tenant, batch.id)
+        cancelled = current is not None and current.status == "cancelling"
+        return cancelled or self._clock() >= batch.expires_at
+
+    async def _run_line(self, batch: Batch, index: int, line: BatchLine) -> None:
+        body = json.dumps(line.body).encode()
+        while True:
+            status, answer, request_id = await self._call(batch.tenant, line.url, body)
+            if not is_not_now(status, answer):
+                break
+            await asyncio.sleep(self._retry_s)
+        try:
+            parsed: Any = json.loads(answer)
+        except ValueError:
+            parsed = answer.decode(errors="replace")
+        record = {"index": index, "status": status, "request_id": request_id, "body": parsed}
+        record["custom_id"] = line.custom_id
+        await asyncio.to_thread(self.store.append_result, batch, record)
+
+    async def finish(self, batch: Batch) -> None:
+        """Write the output and error files from the journal and close the batch."""
+        current = self.store.batch(batch.tenant, batch.id) or batch
+        now = int(self._clock())
+        results = sorted(await asyncio.to_thread(self.store.results, current), key=_index)
+        answered_all = len(results) >= current.request_counts.total
+        if not answered_all and current.status != "cancelling" and now < current.expires_at:
+            return  # a line failed to run: the next round tries again
+        ok = [r for r in results if 200 <= r["status"] < 300]
+        failed = [r for r in results if not 200 <= r["status"] < 300]
+        current.finalizing_at = current.finalizing_at or now
+        current.output_file_id = await self._write(current, ok, "output")
+        current.error_file_id = await self._write(current, failed, "errors")
+        current.request_counts.completed = len(ok)
+        current.request_counts.failed = len(failed)
+        if current.status == "cancelling":
+            current.status, current.cancelled_at = "cancelled", now
+        elif not answered_all:
+            current.status, current.expired_at = "expired", now
+        else:
+            current.status, current.completed_at = "completed", now
+        await asyncio.to_thread(self.store.save_batch, current)
+        log.info(
+            "batch_%s id=%s tenant=%s completed=%d failed=%d",
+            current.status,
+            current.id,
+            current.tenant,
+            len(ok),
+            len(failed),
+        )
+
+    async def _write(self, batch: Batch, records: list[dict[str, Any]], kind: str) -> str | None:
+        if not records:
+            return None
+        text = b"".join(
+            json.dumps(
+                output_line(
+                    "batch_req_" + secrets.token_hex(8),
+                    r["custom_id"],
+                    r["status"],
+                    r["request_id"],
+                    r["body"],
+                )
+            ).encode()
+            + b"\n"
+            for r in records
+        )
+        name = f"{batch.id}_{kind}.jsonl"
+        file = await asyncio.to_thread(
+            self.store.put_file, batch.tenant, name, "batch_output", text
+        )
+        return file.id
+
+
+def _index(record: dict[str, Any]) -> int:
+    return int(record["index"])
