@@ -153,6 +153,17 @@ class BatchApi:
     ) -> None:
         _query(scope, ())
         if method == "DELETE" and not content:
+            reading = [
+                b.id
+                for b in self.store.batches(tenant)
+                if b.input_file_id == file_id and b.status not in TERMINAL
+            ]
+            if reading:  # the runner reads it until the batch closes
+                raise OpenAIError(
+                    status=409,
+                    message=f"File {file_id} is the input of open batch {reading[0]}; cancel "
+                    "the batch or wait for it to finish.",
+                )
             if not self.store.delete_file(tenant, file_id):
                 raise _not_found("file", file_id)
             body = {"id": file_id, "object": "file", "deleted": True}
