@@ -17,7 +17,6 @@ import asyncio
 import io
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import httpx
 import openai
 
 from servefleet.bench.bench_output import save_result
-from servefleet.bench.processes import free_port, servefleet_command
+from servefleet.bench.soak_up import UpProcess
 
 MODEL = "smollm2-135m-instruct"
 KEYS = {"live": "sk-live-bench", "bulk": "sk-bulk-bench"}
@@ -50,24 +49,6 @@ metadata: {{name: keys}}
 stringData: {{live: {KEYS["live"]}, bulk: {KEYS["bulk"]}}}
 """
 CHAT = {"model": MODEL, "max_tokens": 16, "temperature": 0}
-
-
-def _start(work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    manifest = work / "bench.yaml"
-    manifest.write_text(MANIFEST)
-    port = free_port()
-    argv = [*servefleet_command(), "up", str(manifest), "--port", str(port)]
-    argv += ["--log-dir", str(work / "logs"), "--batch-dir", str(work / "batches")]
-    log = (work / "up.log").open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if "ready:" in (work / "up.log").read_text(errors="replace"):
-            return proc, f"http://127.0.0.1:{port}"
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    raise SystemExit("servefleet up did not become ready:\n" + (work / "up.log").read_text())
 
 
 async def _live(base: str, seconds: float, clients: int) -> list[float]:
@@ -149,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/batch_interference.json"))
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    proc, base = _start(args.work)
+    manifest = args.work / "bench.yaml"
+    manifest.write_text(MANIFEST)
+    up = UpProcess(manifest, args.work / "logs", None, batch_dir=args.work / "batches")
+    base = up.base
     try:
+        up.wait_ready(300)
         asyncio.run(_live(base, 5, 1))  # warm-up, not counted
         quiet = asyncio.run(_live(base, args.window, args.clients))
         started = time.monotonic()
@@ -163,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             done = client.batches.retrieve(batch_id)
         batch_s = time.monotonic() - started
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        up.stop()
     figures = {"quiet": _figures(quiet), "with_batch": _figures(busy)}
     ratio = figures["with_batch"]["p99_s"] / figures["quiet"]["p99_s"]
     completed = done.request_counts.completed if done.request_counts else 0

@@ -128,12 +128,20 @@ class UpProcess:
     """`servefleet up FILE` as a child in its own session (a Ctrl-C of the soak reaches it only
     as the SIGINT `stop` sends, after the figures are taken)."""
 
-    def __init__(self, file: Path, log_dir: Path, env: dict[str, str] | None) -> None:
+    def __init__(
+        self,
+        file: Path,
+        log_dir: Path,
+        env: dict[str, str] | None,
+        batch_dir: Path | None = None,
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / "up.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         argv = [*servefleet_command(), "up", str(file), "--port", str(self.port)]
+        if batch_dir is not None:
+            argv += ["--batch-dir", str(batch_dir)]
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 [*argv, "--log-dir", str(log_dir)],
