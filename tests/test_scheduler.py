@@ -265,3 +265,59 @@ def test_a_prefill_only_sequence_never_samples_and_finishes_when_computed() -> N
     again = seq(list(range(10, 27)))
     assert len(s.kv_cache.find_cached_prefix(again)) == 4
     s.kv_cache.check_all_free()
+
+
+def test_an_interactive_prompt_shares_no_step_with_a_batch_prompt() -> None:
+    """A batch prompt mid-prefill sits out the steps of an interactive prompt (which would
+    otherwise wait behind its chunks); batch decodes still ride along; afterwards the batch
+    prompt resumes where it stopped."""
+    s = make(budget=8)
+    decoding = seq([1, 2, 3], max_tokens=20, t=0.0, prio=Priority.BATCH)
+    s.add(decoding)
+    fake_step(s, s.schedule())  # its prompt done, it now decodes
+    long_batch = seq(list(range(10, 40)), t=1.0, prio=Priority.BATCH)
+    s.add(long_batch)
+    out = s.schedule()
+    assert [c.seq for c in out.prefills] == [long_batch]
+    fake_step(s, out)
+    done_before = long_batch.num_computed_tokens
+    urgent = seq(list(range(50, 62)), t=2.0, prio=Priority.INTERACTIVE)
+    s.add(urgent)
+    shapes = []
+    while urgent.num_computed_tokens < urgent.num_tokens - 1 or not shapes:
+        out = s.schedule()
+        shapes.append(([c.seq for c in out.prefills], [c.seq for c in out.decodes]))
+        fake_step(s, out)
+    for prefills, decodes in shapes:
+        assert prefills == [urgent] and decodes == [decoding]
+    assert long_batch.num_computed_tokens == done_before  # held, not dropped
+    out = s.schedule()  # the interactive one decodes now: the batch prompt goes on
+    assert long_batch in [c.seq for c in out.prefills]
+    assert {c.seq for c in out.decodes} == {decoding, urgent}
+
+
+def test_a_waiting_batch_prompt_is_not_admitted_beside_an_interactive_prompt() -> None:
+    s = make(budget=64)
+    batch = seq([1, 2, 3, 4], t=0.0, prio=Priority.BATCH)
+    urgent = seq([5, 6, 7], t=1.0, prio=Priority.INTERACTIVE)
+    s.add(batch)
+    s.add(urgent)
+    out = s.schedule()
+    assert [c.seq for c in out.prefills] == [urgent]
+    fake_step(s, out)
+    out = s.schedule()
+    assert [c.seq for c in out.prefills] == [batch]
+    assert [c.seq for c in out.decodes] == [urgent]
+
+
+def test_prompts_of_equal_priority_share_steps_and_a_better_one_goes_alone() -> None:
+    s = make(budget=64)
+    a, b = seq([1, 2, 3], t=0.0, prio=5), seq([4, 5, 6], t=1.0, prio=5)
+    s.add(a)
+    s.add(b)
+    assert {c.seq for c in s.schedule().prefills} == {a, b}
+    s2 = make(budget=64)
+    worse, better = seq([1, 2, 3], t=0.0, prio=5), seq([4, 5, 6], t=1.0, prio=-3)
+    s2.add(worse)
+    s2.add(better)
+    assert [c.seq for c in s2.schedule().prefills] == [better]

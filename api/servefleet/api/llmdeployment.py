@@ -183,6 +183,16 @@ class AdmissionSpec(ApiModel):
         gt=0,
         description="Seconds a request may be predicted to wait; past it: 503 with Retry-After.",
     )
+    interactive_reserved_slots: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description=(
+            "Slots of each replica (of pool.perReplicaConcurrency) that batch-class requests "
+            "never take, so an interactive request finds one free instead of queueing behind "
+            "batch work; at most perReplicaConcurrency - 1 apply (batch keeps one slot)."
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- spec

@@ -5,9 +5,12 @@ completion time, and how much of the pool the batch fills (`servefleet up`, the 
     python -m servefleet.bench.batch_interference --lines 200 --window 30   # shorter
 
 Two tenants on one deployment: `live` streams chats from `--clients` loops (TTFT measured per
-request), `bulk` submits `--lines` chat lines as a batch. First `--window` seconds of `live`
-alone, then the same with the batch running; then the batch is waited for. Goal from the
-issue: TTFT p99 with the batch within 10 % of without. Writes JSON and a PNG.
+request, `--think` seconds between a loop's requests), `bulk` submits `--lines` chat lines as a
+batch. First `--window` seconds of `live` alone, then the same with the batch running; then
+the batch is waited for. The deployment reserves one slot per live client
+(`admission.interactiveReservedSlots`). Goal from the issue: TTFT p99 with the batch within
+10 % of without; the pool's utilisation (engine busy / alive seconds) in both windows shows
+the idle time the batch fills. Writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -26,18 +29,22 @@ import httpx
 import openai
 
 from servefleet.bench.bench_output import save_result
+from servefleet.bench.chargeback import scrape
 from servefleet.bench.soak_up import UpProcess
+from servefleet.bench.soak_up_probe import ProcessTree
 
 MODEL = "smollm2-135m-instruct"
 KEYS = {"live": "sk-live-bench", "bulk": "sk-bulk-bench"}
-MANIFEST = f"""
+# The interactive reserve matches the live clients: each finds a slot batch lines leave free.
+MANIFEST = """
 apiVersion: servefleet.io/v1alpha1
 kind: LLMDeployment
 metadata: {{name: bench}}
 spec:
-  model: {{name: {MODEL}, source: {{builtin: {MODEL}}}}}
+  model: {{name: {model}, source: {{builtin: {model}}}}}
   engine: {{maxNumSeqs: 4}}
   pool: {{minReplicas: 1, maxReplicas: 1, perReplicaConcurrency: 4}}
+  admission: {{interactiveReservedSlots: {reserve}}}
   autoscaling: {{enabled: false}}
   tenants:
     - {{name: live, apiKeySecretRef: {{name: keys, key: live}}}}
@@ -46,13 +53,14 @@ spec:
 apiVersion: v1
 kind: Secret
 metadata: {{name: keys}}
-stringData: {{live: {KEYS["live"]}, bulk: {KEYS["bulk"]}}}
+stringData: {{live: {live}, bulk: {bulk}}}
 """
 CHAT = {"model": MODEL, "max_tokens": 16, "temperature": 0}
 
 
-async def _live(base: str, seconds: float, clients: int) -> list[float]:
-    """TTFT (s) of every streamed chat `clients` loops finish in `seconds`."""
+async def _live(base: str, seconds: float, clients: int, think_s: float) -> list[float]:
+    """TTFT (s) of every streamed chat `clients` loops finish in `seconds`, each loop pausing
+    `think_s` between its requests (as people do: the pool has idle time to fill)."""
     ttfts: list[float] = []
     until = time.monotonic() + seconds
     headers = {"authorization": f"Bearer {KEYS['live']}"}
@@ -70,10 +78,26 @@ async def _live(base: str, seconds: float, clients: int) -> list[float]:
                         first = time.monotonic() - start
             if r.status_code == 200 and first is not None:
                 ttfts.append(first)
+            await asyncio.sleep(think_s)
 
     async with httpx.AsyncClient(base_url=base, timeout=120) as http:
         await asyncio.gather(*(loop(http, n) for n in range(clients)))
     return ttfts
+
+
+def _engine_seconds(tree: ProcessTree) -> tuple[float, float]:
+    """(busy, alive) seconds summed over the engines: the chargeback counters, whose ratio
+    over a window is the share of the pool's time spent computing."""
+    busy = alive = 0.0
+    for url in tree.engine_urls().values():
+        counters = scrape(url)
+        busy += sum(counters["busy"].values())
+        alive += counters["replica"]
+    return busy, alive
+
+
+def _utilisation(before: tuple[float, float], after: tuple[float, float]) -> float:
+    return (after[0] - before[0]) / max(after[1] - before[1], 1e-9)
 
 
 def _figures(ttfts: list[float]) -> dict[str, float]:
@@ -125,22 +149,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lines", type=int, default=1000)
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--window", type=float, default=60.0, help="seconds of each TTFT window")
+    p.add_argument("--think", type=float, default=0.5, help="seconds between a client's requests")
     p.add_argument("--batch-timeout", type=float, default=3600.0)
     p.add_argument("--work", type=Path, default=Path("bench/results/batch_interference/work"))
     p.add_argument("--out", type=Path, default=Path("bench/results/batch_interference.json"))
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     manifest = args.work / "bench.yaml"
-    manifest.write_text(MANIFEST)
+    manifest.write_text(
+        MANIFEST.format(model=MODEL, reserve=args.clients, live=KEYS["live"], bulk=KEYS["bulk"])
+    )
     up = UpProcess(manifest, args.work / "logs", None, batch_dir=args.work / "batches")
     base = up.base
     try:
         up.wait_ready(300)
-        asyncio.run(_live(base, 5, 1))  # warm-up, not counted
-        quiet = asyncio.run(_live(base, args.window, args.clients))
+        asyncio.run(_live(base, 5, 1, 0.0))  # warm-up, not counted
+        tree = ProcessTree(up.proc.pid)
+        marks = [_engine_seconds(tree)]
+        quiet = asyncio.run(_live(base, args.window, args.clients, args.think))
+        marks.append(_engine_seconds(tree))
         started = time.monotonic()
         client, batch_id = _submit(base, args.lines)
-        busy = asyncio.run(_live(base, args.window, args.clients))
+        busy = asyncio.run(_live(base, args.window, args.clients, args.think))
+        marks.append(_engine_seconds(tree))
         deadline = started + args.batch_timeout
         done = client.batches.retrieve(batch_id)
         while done.status not in ("completed", "failed", "expired") and time.monotonic() < deadline:
@@ -157,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "lines": args.lines,
         "clients": args.clients,
         "window_s": args.window,
+        "think_s": args.think,
         "ttft": figures,
         "p99_ratio": ratio,
         "goal_p99_ratio": 1.10,
@@ -166,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             "completed": completed,
             "failed": failed,
             "lines_per_s": completed / batch_s,
+        },
+        "interactive_reserved_slots": args.clients,
+        "pool_utilisation": {  # engine busy seconds / alive seconds in each window
+            "quiet": _utilisation(marks[0], marks[1]),
+            "with_batch": _utilisation(marks[1], marks[2]),
         },
         "interactive_requests_per_s": {
             k: figures[k]["requests"] / args.window for k in ("quiet", "with_batch")

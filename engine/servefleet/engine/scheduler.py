@@ -150,11 +150,12 @@ class Scheduler:
         # the lowest-priority, latest-arrived sequence.
         self.running.sort(key=Sequence.sort_key)
         allowance = self._prompt_allowance()
+        best = self._best_prompt_priority()
         scheduled: list[ScheduledChunk] = []
-        budget = self._schedule_running(out, scheduled, allowance)
+        budget = self._schedule_running(out, scheduled, allowance, best)
         # Then waiting prompts, unless this step already had to preempt.
         if not out.preempted:
-            self._schedule_waiting(scheduled, budget, allowance)
+            self._schedule_waiting(scheduled, budget, allowance, best)
         if self.chunk_budget is not None:
             self.chunk_budget.record(allowance)
 
@@ -164,6 +165,18 @@ class Scheduler:
         if self.speculator is not None and out.decodes:
             self.speculator.attach_drafts(out, self.kv_cache, self.config)
         return out
+
+    def _best_prompt_priority(self) -> int | None:
+        """The best (lowest) priority of the prompts waiting or mid-prefill. Prompts of a
+        worse priority (batch beside interactive) sit out this step: neither started nor
+        given chunks, their KV kept; decodes of every priority still ride along, one row
+        each. So an interactive request's time to first token is its own prefill plus, at
+        most, the one step that was running when it arrived."""
+        best = self.waiting[0].priority if self.waiting else None  # sorted: priority first
+        for seq in self.running:
+            if not _decodes_next(seq) and (best is None or seq.priority < best):
+                best = seq.priority
+        return best
 
     def _prompt_allowance(self) -> PromptAllowance | None:
         """With `chunk_budget`, the step's prompt tokens beside the running decodes, which
@@ -179,13 +192,17 @@ class Scheduler:
         out: SchedulerOutput,
         scheduled: list[ScheduledChunk],
         allowance: PromptAllowance | None,
+        best_prompt: int | None,
     ) -> int:
         """Schedule running sequences (preempting from the tail when KV runs out); return
-        the token budget left."""
+        the token budget left. Prompts of a priority worse than `best_prompt` wait."""
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if best_prompt is not None and seq.priority > best_prompt and not _decodes_next(seq):
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if allowance is not None and not _decodes_next(seq):
                 num_new = allowance.take(num_new, seq.num_computed_tokens)
@@ -206,10 +223,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(
-        self, scheduled: list[ScheduledChunk], budget: int, allowance: PromptAllowance | None
+        self,
+        scheduled: list[ScheduledChunk],
+        budget: int,
+        allowance: PromptAllowance | None,
+        best_prompt: int | None,
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if best_prompt is not None and seq.priority > best_prompt:
+                break  # sorted by priority: only worse prompts are left
             cached = self.kv_cache.find_cached_prefix(seq)
             hit_tokens = len(cached) * self.kv_cache.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - hit_tokens, budget)

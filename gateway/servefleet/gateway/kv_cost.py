@@ -82,6 +82,7 @@ def choose(
     *,
     block_size: int,
     may_pull: bool,
+    reserve: int = 0,
 ) -> Option | None:
     """The cheapest option among `candidates` (replicas with room), pulling only from one
     of `sources` (ready replicas); None when nobody holds a block (routing's affinity rule
@@ -89,7 +90,7 @@ def choose(
     sources = list(sources)
     holder = max(sources, key=lambda r: costs[r.endpoint].held_tokens, default=None)
     top = 0 if holder is None else costs[holder.endpoint].held_tokens
-    room = [r for r in candidates if r.has_room()]
+    room = [r for r in candidates if r.has_room(reserve)]
     best_held = max((costs[r.endpoint].held_tokens for r in room), default=0)
     if max(top, best_held) == 0 or not room:
         return None
@@ -129,8 +130,10 @@ def route_by_contents(
     hashes: tuple[int, ...],
     now: float,
     config: GatewayDeployment,
+    reserve: int = 0,
 ) -> Option | None:
-    """`choose` over a pool's routable replicas for a prompt of these block hashes."""
+    """`choose` over a pool's routable replicas for a prompt of these block hashes (a
+    batch request's: over their slots beyond `reserve`)."""
     block_size, pull_min_tokens = config.block_size, config.kv_pull_min_tokens
     if not hashes or not index.per_replica:
         return None
@@ -148,4 +151,5 @@ def route_by_contents(
         n,
         block_size=block_size,
         may_pull=may_pull,
+        reserve=reserve,
     )

@@ -23,13 +23,14 @@ from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
 from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
-from servefleet.gateway.kv_cost import Decision, route_by_contents
+from servefleet.gateway.kv_cost import Decision
 from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
 from servefleet.gateway.pd_pool import PromptTokenGauge, prefill_deployment, prefill_stats
+from servefleet.gateway.placement import Target, choose_target
 from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
 from servefleet.gateway.pool_types import Lease, Placement, PoolRequest, Shed, Spill
-from servefleet.gateway.queueing import FairQueue, QueuedRequest, TrafficClass
+from servefleet.gateway.queueing import FairQueue, TrafficClass
 from servefleet.gateway.retry_promises import RetryPromises
 from servefleet.gateway.routing import Replica, ReplicaSet
 from servefleet.gateway.spill_budget import LocalSpillBudget, SpillBudget
@@ -68,6 +69,10 @@ class DeploymentPool:
             eject_max_s=routing.eject_max_seconds,
         )
         self.tenants: dict[str, TenantAccess] = {t.name: t for t in config.tenants}
+        # Slots of each replica batch requests leave to interactive ones (one slot stays
+        # batch's, so a batch backlog always progresses).
+        cap = config.pool.per_replica_concurrency
+        self.batch_reserve = min(config.admission.interactive_reserved_slots, cap - 1)
         self.in_flight = 0
         self.in_flight_batch = 0
         self.service_time = Ewma(config.service_seconds)
@@ -230,7 +235,7 @@ class DeploymentPool:
         ahead = queue.ahead_of(tenant, cls, request.tokens, request.weight) if len(queue) else 0
         view = PoolView(
             ready_replicas=self.replicas.ready_count(now),
-            free_slots=self.replicas.free_slots(now) - held,
+            free_slots=self.replicas.free_slots(now, self.reserve_for(cls)) - held,
             queue_ahead=ahead + held,
             queue_full=full,
             service_rate=rate,
@@ -246,44 +251,43 @@ class DeploymentPool:
         )
         return decide(view, self.config.admission.max_queue_wait, rule)
 
+    def reserve_for(self, traffic_class: TrafficClass) -> int:
+        """Slots per replica a request of this class may not take."""
+        return self.batch_reserve if traffic_class is TrafficClass.BATCH else 0
+
     def count_kv_decision(self, decision: Decision) -> None:
         """One dispatch's KV placement, for `kv_route_metrics`."""
         self.kv_decisions[decision] = self.kv_decisions.get(decision, 0) + 1
 
-    def _lease_by_contents(self, hashes: tuple[int, ...], tokens: int, now: float) -> Lease | None:
-        """A lease where the cost model sends a hashed prompt (`kv_cost`); None: the
-        affinity rule decides."""
-        replicas = self.replicas.replicas.values()
-        option = route_by_contents(replicas, self.kv_index, hashes, now, self.config)
-        self.count_kv_decision(option.decision if option else "local")
-        if option is None:
-            return None
-        self.replicas.acquire(option.replica, tokens)
-        self.in_flight += 1
-        source = None if option.source is None else option.source.endpoint
-        return Lease(option.replica, tokens, now, kv_source=source, kv_deadline_s=option.deadline_s)
-
     def _dispatch_now(self, request: PoolRequest) -> Lease | None:
+        """A lease on the replica `placement` chooses; None when none has room for it."""
         now = self._clock()
-        if request.adapter is None and request.block_hashes:
-            lease = self._lease_by_contents(request.block_hashes, request.tokens, now)
-            if lease is not None:
-                return lease
-        slack = self.routing.affinity_slack
-        replica = self.replicas.pick(
-            request.affinity_key, now, slack=slack, adapter=request.adapter
+        reserve = self.reserve_for(request.traffic_class)
+        target, decision = choose_target(
+            self.replicas,
+            self.kv_index,
+            self.config,
+            request,
+            now,
+            slack=self.routing.affinity_slack,
+            reserve=reserve,
         )
-        if replica is None:
+        if decision is not None:
+            self.count_kv_decision(decision)
+        if target is None:
             return None
-        return self._lease(replica, request.tokens, now, request.affinity_key)
+        return self._lease(target, request.tokens, now)
 
-    def _lease(
-        self, replica: Replica, tokens: int, now: float, affinity_key: int | None = None
-    ) -> Lease:
-        self.replicas.acquire(replica, tokens)
+    def _lease(self, target: Target, tokens: int, now: float) -> Lease:
+        self.replicas.acquire(target.replica, tokens)
         self.in_flight += 1
-        source = self.replicas.kv_source(affinity_key, replica)
-        return Lease(replica, tokens, now, kv_source=None if source is None else source.endpoint)
+        return Lease(
+            target.replica,
+            tokens,
+            now,
+            kv_source=target.kv_source,
+            kv_deadline_s=target.kv_deadline_s,
+        )
 
     def _make_room(self, request: PoolRequest, now: float) -> Shed | None:
         """Push out a lower-priority request when the queue is full; a Shed when none can go."""
@@ -312,7 +316,7 @@ class DeploymentPool:
             now,
             weight=request.weight,
             future=future,
-            payload=(request.affinity_key, request.tokens, request.adapter, request.block_hashes),
+            payload=request,
             promised=promised,
         )
         self.pump()
@@ -367,25 +371,18 @@ class DeploymentPool:
             return
         now = self._clock()
         while len(queue) and self.replicas.free_slots(now) > 0:
-            entry: QueuedRequest | None = queue.pop()
+            batch_room = self.replicas.free_slots(now, self.batch_reserve) > 0
+            entry = queue.pop(TrafficClass.BATCH if batch_room else TrafficClass.INTERACTIVE)
             if entry is None:
                 break
             future = entry.future
             if future is None or future.done():
                 continue
-            affinity_key, tokens, adapter, hashes = entry.payload
-            if adapter is None and hashes:
-                lease = self._lease_by_contents(hashes, tokens, now)
-                if lease is not None:
-                    future.set_result(lease)
-                    continue
-            replica = self.replicas.pick(
-                affinity_key, now, slack=self.routing.affinity_slack, adapter=adapter
-            )
-            if replica is None:  # cannot happen while free_slots > 0; keep the request safe
+            lease = self._dispatch_now(entry.payload)
+            if lease is None:  # cannot happen while free_slots > 0; keep the request safe
                 future.set_exception(_ShedWhileQueued(Shed(self._retry_after(now), "no replica")))
                 continue
-            future.set_result(self._lease(replica, tokens, now, affinity_key))
+            future.set_result(lease)
 
     # -- after dispatch -------------------------------------------------------------------
     def reroute(self, lease: Lease) -> Lease | None:
@@ -408,10 +405,11 @@ class DeploymentPool:
     def lease_elsewhere(self, lease: Lease) -> Lease | None:
         """A slot for `lease`'s request on another replica, if one is free now."""
         now = self._clock()
-        other = self.replicas.pick(None, now, slack=0, exclude=lease.replica)
+        reserve = self.batch_reserve if lease.batch else 0
+        other = self.replicas.pick(None, now, slack=0, exclude=lease.replica, reserve=reserve)
         if other is None:
             return None
-        moved = self._lease(other, lease.tokens, now)
+        moved = self._lease(Target(other), lease.tokens, now)
         moved.batch = lease.batch
         self.in_flight_batch += lease.batch
         return moved

@@ -136,9 +136,10 @@ class FairQueue:
         lane.live += 1
         return entry
 
-    def pop(self) -> QueuedRequest | None:
-        """The next request to dispatch: interactive first, then the smallest finish tag."""
-        for lane in self._lanes:
+    def pop(self, upto: TrafficClass = TrafficClass.BATCH) -> QueuedRequest | None:
+        """The next request to dispatch: interactive first, then the smallest finish tag;
+        only from classes up to `upto` (interactive only: the free slots are kept for it)."""
+        for lane in self._lanes[: upto + 1]:
             if lane.live == 0:
                 continue
             best: QueuedRequest | None = None

@@ -66,8 +66,9 @@ class Replica:
             and self.outstanding == 0
         )
 
-    def has_room(self) -> bool:
-        return self.outstanding < self.cap
+    def has_room(self, reserve: int = 0) -> bool:
+        """A slot free beyond the `reserve` last ones (batch keeps those for interactive)."""
+        return self.outstanding < self.cap - reserve
 
 
 @dataclass(slots=True)
@@ -107,11 +108,12 @@ class ReplicaSet:
     def ready_count(self, now: float) -> int:
         return sum(1 for r in self.replicas.values() if r.routable(now))
 
-    def free_slots(self, now: float) -> int:
+    def free_slots(self, now: float, reserve: int = 0) -> int:
+        """Free slots on routable replicas, leaving `reserve` slots of each one out."""
         return sum(
-            r.cap - r.outstanding
+            r.cap - reserve - r.outstanding
             for r in self.replicas.values()
-            if r.routable(now) and r.has_room()
+            if r.routable(now) and r.has_room(reserve)
         )
 
     def starting(self) -> list[Replica]:
@@ -146,12 +148,14 @@ class ReplicaSet:
         slack: int,
         exclude: Replica | None = None,
         adapter: str | None = None,
+        reserve: int = 0,
     ) -> Replica | None:
+        """The replica for a request that may take a slot only beyond each one's `reserve`."""
         candidates = [r for r in self.replicas.values() if r is not exclude and r.routable(now)]
-        chosen = _choose(candidates, affinity_key, slack)
+        chosen = _choose(candidates, affinity_key, slack, reserve)
         if adapter is None or chosen is None:
             return chosen
-        holder = _choose([r for r in candidates if r.holds(adapter)], affinity_key, slack)
+        holder = _choose([r for r in candidates if r.holds(adapter)], affinity_key, slack, reserve)
         if holder is not None and holder.outstanding <= chosen.outstanding + slack:
             return holder
         return chosen
@@ -204,7 +208,9 @@ class ReplicaSet:
             replica.state = ReplicaHealth.DRAINING
 
 
-def _choose(candidates: Iterable[Replica], affinity_key: int | None, slack: int) -> Replica | None:
+def _choose(
+    candidates: Iterable[Replica], affinity_key: int | None, slack: int, reserve: int = 0
+) -> Replica | None:
     """The affine replica unless it is full or more than `slack` requests busier than the
     least-loaded one with room; None when no candidate has room."""
     least: Replica | None = None
@@ -215,7 +221,7 @@ def _choose(candidates: Iterable[Replica], affinity_key: int | None, slack: int)
             score = _mix(affinity_key, replica.seed)
             if score > best_score:
                 best_score, affine = score, replica
-        if replica.has_room() and (
+        if replica.has_room(reserve) and (
             least is None
             or (replica.outstanding, replica.outstanding_tokens)
             < (least.outstanding, least.outstanding_tokens)
@@ -223,6 +229,10 @@ def _choose(candidates: Iterable[Replica], affinity_key: int | None, slack: int)
             least = replica
     if least is None:
         return None
-    if affine is not None and affine.has_room() and affine.outstanding <= least.outstanding + slack:
+    if (
+        affine is not None
+        and affine.has_room(reserve)
+        and affine.outstanding <= least.outstanding + slack
+    ):
         return affine
     return least
