@@ -14,7 +14,7 @@ from servefleet.api.gateway_config import (
     TenantAccess,
 )
 from servefleet.api.gateway_stats import DeploymentStats, parse_deployment_stats
-from servefleet.api.llmdeployment import LLMDeploymentSpec
+from servefleet.api.llmdeployment import LLMDeploymentSpec, PoolSpec
 from servefleet.api.traffic import SpilloverSpec
 from servefleet.autoscaler.gateway_fleet import sum_deployment_stats
 from servefleet.autoscaler.observe import observe_deployment
@@ -33,13 +33,16 @@ class Clock:
         return self.now
 
 
-def _spilling_pool(clock: Clock) -> DeploymentPool:
+def _spilling_pool(
+    clock: Clock, when: dict[str, object] | None = None, cap: int = 16
+) -> DeploymentPool:
     """No replica and a long cold start: every interactive request wants to spill."""
     config = GatewayDeployment(
         name="d",
         model="m",
         tenants=[TenantAccess(name="a")],
         cold_start_seconds=600.0,
+        pool=PoolSpec(per_replica_concurrency=cap),
         spillover=SpilloverSpec.model_validate(
             {
                 "enabled": True,
@@ -48,6 +51,7 @@ def _spilling_pool(clock: Clock) -> DeploymentPool:
                 "apiKeySecretRef": {"name": "s", "key": "k"},
                 "maxRequestsPerMinute": 100,
             }
+            | ({"when": when} if when else {})
         ),
         spillover_api_key=SecretValueRef(env="HOSTED_KEY"),
     )
@@ -73,6 +77,24 @@ async def test_the_pool_reports_its_spill_rate_in_requests_and_tokens() -> None:
     assert (both.spilled_per_second, both.spilled_tokens_per_second) == (0.2, 60.0)
     clock.now += 61
     assert pool.stats().spilled_per_second == 0.0  # a minute later it is history
+
+
+async def test_batch_class_requests_wait_for_a_busy_pool_instead_of_spilling() -> None:
+    clock = Clock()
+    pool = _spilling_pool(clock, {"predictedWaitOverSeconds": 0.001}, cap=1)
+    pool.set_replicas(["http://r0"], ready=["http://r0"])
+    busy = await pool.acquire(_request(TrafficClass.INTERACTIVE))
+    assert not isinstance(busy, Spill)  # the one slot
+    assert isinstance(await pool.acquire(_request(TrafficClass.INTERACTIVE)), Spill)
+    waiting = asyncio.ensure_future(pool.acquire(_request(TrafficClass.BATCH)))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # queued for the busy pool's next free slot, not spilled
+    pool.release(busy, ok=True)  # type: ignore[arg-type]
+    lease = await waiting
+    assert not isinstance(lease, Spill) and lease.replica.endpoint == "http://r0"
+    assert pool.stats().spilled_per_second == 1 / 60  # the interactive one only
+    # With no replica at all (a hosted-only route) batch requests spill as before.
+    assert isinstance(await _spilling_pool(clock).acquire(_request(TrafficClass.BATCH)), Spill)
 
 
 async def test_batch_queue_waits_are_not_the_latency_the_autoscaler_acts_on() -> None:

@@ -210,6 +210,7 @@ def test_bad_requests_are_refused_naming_the_field(rig: Rig) -> None:
 def test_a_cancelled_batch_stops_and_keeps_its_partial_output(rig: Rig) -> None:
     rig.fake.behaviour.token_delay_s = 0.2  # ~0.6 s a line, one at a time
     rig.gateway._batches.runner._concurrency = 1  # type: ignore[union-attr]
+    rig.gateway._batches.runner._batch_slots = None  # type: ignore[union-attr]
     client = rig.client()
     batch = _submit(client, _lines(30))
     deadline = time.monotonic() + 20

@@ -208,7 +208,11 @@ class BatchConfig(BaseModel):
         default=100 * 1024 * 1024, gt=0, description="Largest upload accepted."
     )
     line_concurrency: int = Field(
-        default=4, ge=1, le=256, description="Lines of one batch in flight at once."
+        default=4,
+        ge=1,
+        le=256,
+        description="Lines of one batch in flight at once, at least: more while the pools' "
+        "ready replicas leave batch requests more slots (replicas bought for a deadline).",
     )
     retry_seconds: float = Field(
         default=2.0, gt=0, description="Wait before a line turned away for now is tried again."

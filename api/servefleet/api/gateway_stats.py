@@ -60,6 +60,15 @@ class DeploymentStats(_StatsModel):
         ge=0,
         description="their tokens (prompt + completion budget, an upper bound), last minute",
     )
+    batch_lines_left: int = Field(
+        default=0, ge=0, description="lines of open batches (Batch API) for it, not answered yet"
+    )
+    batch_lines_per_second_needed: float = Field(
+        default=0.0,
+        ge=0,
+        description="the line rate that answers every open batch by its deadline, earliest "
+        "deadline first (the autoscaler buys replicas for it)",
+    )
     mean_service_seconds: float | None = None
     cold_start_seconds: float | None = Field(default=None, description="measured, else the prior")
     queue_wait_p90_seconds: float | None = Field(

@@ -195,6 +195,13 @@ class AdmissionSpec(ApiModel):
     )
 
 
+def batch_reserve(per_replica_concurrency: int, admission: AdmissionSpec) -> int:
+    """Slots of each replica batch-class requests leave to interactive ones: the reserve,
+    at most all but one (so a batch backlog always progresses). The gateway admits by it; the
+    autoscaler sizes batch capacity by the rest."""
+    return min(admission.interactive_reserved_slots, per_replica_concurrency - 1)
+
+
 # --------------------------------------------------------------------------- spec
 
 

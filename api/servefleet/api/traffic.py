@@ -123,7 +123,9 @@ class SpilloverSpec(ApiModel):
     tenants: list[Annotated[str, Field(max_length=63)]] = Field(
         default_factory=list,
         max_length=100,
-        description="Tenants that may spill over; empty means all of them.",
+        description="Tenants that may spill over; empty means all of them. Batch-class "
+        "requests (batch lines, tenants of trafficClass batch) spill only while the pool has "
+        "no ready replica: otherwise they wait for spare capacity.",
     )
     when: SpilloverWhen = Field(
         default_factory=SpilloverWhen, description="Conditions that trigger a spill-over."

@@ -33,6 +33,7 @@ class Reason(StrEnum):
     WAITING_FOR_DRAIN = "waiting_for_drain"
     WAITING_FOR_START = "waiting_for_start"
     SCALE_DOWN = "scale_down"
+    BATCH_DEADLINE = "batch_deadline"
 
 
 class Facts(BaseModel):
@@ -58,6 +59,8 @@ class Facts(BaseModel):
     spill_spend: float
     spill_budget: float
     asked_within_delay: int
+    batch_lines_per_s: float = 0.0
+    batch_replicas: int = 0
 
 
 def describe(reason: Reason, desired: int, facts: Facts, targets: ScalingTargets) -> str:
@@ -136,6 +139,10 @@ _DETAILS: dict[Reason, Callable[[Facts, ScalingTargets], str]] = {
     ),
     Reason.WAITING_FOR_DRAIN: lambda f, t: "a replica is still draining",
     Reason.WAITING_FOR_START: lambda f, t: "a replica is still starting, never stopped unready",
+    Reason.BATCH_DEADLINE: lambda f, t: (
+        f"open batches need {f.batch_lines_per_s:.2f} lines/s to meet their deadlines: "
+        f"{f.batch_replicas} replicas at {t.batch_slots_per_replica} batch slots each"
+    ),
     Reason.SCALE_DOWN: lambda f, t: (
         f"demand {f.level:.1f} needed fewer for {t.scale_down_delay_s:g} s"
     ),

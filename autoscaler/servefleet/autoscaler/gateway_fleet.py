@@ -70,6 +70,9 @@ def _sum_deployment(views: list[DeploymentStats]) -> DeploymentStats:
             "completions_per_second": sum(v.completions_per_second for v in views),
             "spilled_per_second": sum(v.spilled_per_second for v in views),
             "spilled_tokens_per_second": sum(v.spilled_tokens_per_second for v in views),
+            # each gateway runs the batches of its own store: their lines and rates add up
+            "batch_lines_left": sum(v.batch_lines_left for v in views),
+            "batch_lines_per_second_needed": sum(v.batch_lines_per_second_needed for v in views),
             "service_rate": max(v.service_rate for v in views),
             "mean_service_seconds": _max(v.mean_service_seconds for v in views),
             "cold_start_seconds": _max(v.cold_start_seconds for v in views),

@@ -125,6 +125,7 @@ async def observe_deployment(
         mean_service_s=(gateway.mean_service_seconds or None) if gateway else None,
         spilled_per_s=gateway.spilled_per_second if gateway else 0.0,
         spilled_tokens_per_s=gateway.spilled_tokens_per_second if gateway else 0.0,
+        batch_lines_per_s_needed=gateway.batch_lines_per_second_needed if gateway else 0.0,
         unknown=() if gateway_known else ("gateway",),
     )
 

@@ -11,6 +11,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import demand as dm
+from .batch_deadline import batch_replicas
 from .explain import Facts, Reason, describe
 from .signals import Observation, ReplicaState
 from .targets import ScalingTargets
@@ -82,6 +83,7 @@ class _Tick(BaseModel):
     spill_budget: float
     spill_bought: bool
     renting_recently: bool
+    batch: int  # replicas the open batches' deadlines need (0: none)
 
 
 def decide(
@@ -95,6 +97,7 @@ def decide(
     tick, new_state = _observe(observation, targets, now, state)
     up, up_reason, wanted = _scale_up_target(observation, targets, tick)
     recommendation = math.ceil(dm.with_headroom(tick.level) / targets.target_per_replica)
+    recommendation = max(recommendation, tick.batch)  # a batch's deadline holds the pool
     if not tick.known:
         recommendation = tick.current  # unknown is not zero: it asks for what there is
     # A scale-up is itself a recommendation, so the delay holds after every one of them.
@@ -121,6 +124,8 @@ def decide(
         spill_spend=new_state.spill_spend,
         spill_budget=tick.spill_budget,
         asked_within_delay=max(n for _, n in recommendations),
+        batch_lines_per_s=observation.batch_lines_per_s_needed,
+        batch_replicas=tick.batch,
     )
 
     desired, reason, victim = _choose(
@@ -163,6 +168,8 @@ def _choose(
         return current, Reason.NO_CAPACITY, None
     if min(up, tick.sample_size) >= current:
         return current, Reason.SPILLING if observation.spilled_per_s > 0 else Reason.STEADY, None
+    if tick.batch >= current:
+        return current, Reason.BATCH_DEADLINE, None
     if not tick.known:
         return current, Reason.SIGNALS_UNKNOWN, None
     # Demand stayed low for the delay when no recommendation within it asked for this size.
@@ -225,6 +232,7 @@ def _observe(
         renting_recently=targets.prices_spill
         and _spilled_within(last_spill, now, window_s)
         and (observation.spilled_per_s <= 0 or not bought),
+        batch=batch_replicas(observation, targets) if known else 0,
     )
     new_state = PolicyState(
         first_seen=_first_seen(state, now),
@@ -285,6 +293,8 @@ def _scale_up_target(
             size, reason = needed, Reason.LATENCY_OVER_TARGET
     if _renting(observation, targets, tick) and size > tick.current:
         size, reason = tick.current, Reason.SPILLING
+    if tick.batch > max(size, tick.current):  # batch lines never spill: only replicas help
+        size, reason = tick.batch, Reason.BATCH_DEADLINE
     wanted = _clamp_to(size, targets)
     if tick.headroom is not None and wanted > tick.current + tick.headroom:
         capped = max(tick.current + tick.headroom, tick.current)

@@ -89,6 +89,11 @@ class Observation(BaseModel):
     mean_service_s: float | None = Field(
         default=None, gt=0.0, description="seconds a request holds a replica slot, if measured"
     )
+    batch_lines_per_s_needed: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="the line rate that answers every open batch by its deadline (Batch API)",
+    )
 
     def count(self, state: ReplicaState) -> int:
         return sum(1 for r in self.replicas if r.state is state)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servefleet.api.llmdeployment import LLMDeploymentSpec
+from servefleet.api.llmdeployment import LLMDeploymentSpec, batch_reserve
 
 from .targets import ScalingTargets
 
@@ -18,6 +18,7 @@ def targets_from_spec(
         min_replicas=spec.pool.min_replicas,
         max_replicas=spec.pool.max_replicas,
         target_per_replica=spec.autoscaling.target_per_replica,
+        batch_slots_per_replica=batch_slots(spec),
         scale_down_delay_s=spec.pool.scale_down_delay,
         queue_wait_target_s=spec.autoscaling.queue_wait_target,
         ttft_target_s=spec.autoscaling.ttft_target,
@@ -26,3 +27,9 @@ def targets_from_spec(
         spill_cost_per_million_tokens=prices.spill_per_million_tokens if prices else None,
         spill_patience=prices.spill_patience if prices else 1.0,
     )
+
+
+def batch_slots(spec: LLMDeploymentSpec) -> int:
+    """Slots of a replica batch-class requests may hold (what the gateway leaves them)."""
+    cap = spec.pool.per_replica_concurrency
+    return cap - batch_reserve(cap, spec.admission)

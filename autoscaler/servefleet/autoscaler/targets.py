@@ -13,6 +13,12 @@ class ScalingTargets(BaseModel):
     min_replicas: int = Field(ge=0, description="warm pool; 0 enables scale-to-zero")
     max_replicas: int = Field(ge=1)
     target_per_replica: float = Field(gt=0, description="in-flight requests per replica")
+    batch_slots_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        description="slots of a replica batch requests may hold (its concurrency less the "
+        "interactive reserve); None: no batch signal is acted on",
+    )
     scale_down_delay_s: float = Field(default=300.0, ge=0)
     queue_wait_target_s: float | None = Field(default=None, gt=0)
     ttft_target_s: float | None = Field(default=None, gt=0)

@@ -29,6 +29,7 @@ from servefleet.gateway.asgi import Receive, Scope, Send, header, respond
 from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.batch_api import BatchApi, is_batch_path
 from servefleet.gateway.batch_calls import call_in_process
+from servefleet.gateway.batch_demand import OpenWork, due_by_pool
 from servefleet.gateway.batch_runner import BatchRunner
 from servefleet.gateway.batch_store import BatchStore
 from servefleet.gateway.completion import CompletionHandler
@@ -146,8 +147,30 @@ class Gateway:
             lambda tenant, path, body: call_in_process(complete, tenant, path, body),
             concurrency=config.batch.line_concurrency,
             retry_s=config.batch.retry_seconds,
+            on_work=self._publish_batch_work,
+            batch_slots=self._batch_slots,
         )
         return BatchApi(store, runner, config.batch.max_file_bytes)
+
+    def _publish_batch_work(self, works: list[OpenWork]) -> None:
+        """Each deployment's share of the open batches' lines, for its stats."""
+
+        def route_of(tenant: str, model: str) -> tuple[str, float | None] | None:
+            route = self.table.routes.get((tenant, model))
+            if route is None:
+                return None
+            limits = [s.policy.requests_per_minute for s in route.scopes]
+            per_minute = min((n for n in limits if n is not None), default=None)
+            return route.pool.name, None if per_minute is None else per_minute / 60.0
+
+        wall_now = time.time()
+        due = due_by_pool(works, route_of, wall_now)
+        for name, pool in self.table.pools.items():
+            pool.set_batch_due(due.get(name, []), wall_now)
+
+    def _batch_slots(self) -> int:
+        """Slots the pools' ready replicas leave batch requests: lines worth running at once."""
+        return sum(pool.batch_slots() for pool in self.table.pools.values())
 
     # -- what the current table says -------------------------------------------------------
     @property

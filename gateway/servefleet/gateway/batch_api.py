@@ -222,6 +222,8 @@ class BatchApi:
         else:
             batch.status, batch.in_progress_at = "in_progress", now
         self.store.save_batch(batch)
+        if not errors:
+            self.runner.note(batch, lines)  # in the batch signal at once, before its turn
         self.runner.wake()
         return batch
 

@@ -9,7 +9,9 @@ the next line is counted, so a gateway restarted mid-batch resumes after the lin
 journaled. A line in flight when the gateway dies runs again after the restart: a line is
 journaled, and so charged in the report, once, but the engine may have computed it twice.
 At the end (every line answered, the batch cancelled, or its window past) the output and error
-files are written from the journal in input order and the batch is closed.
+files are written from the journal in input order and the batch is closed. Batches run earliest
+deadline first; what each still has to answer, per model, is published (`on_work`) for the
+autoscaler's batch signal (`batch_demand`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from servefleet.api.batches import Batch, BatchLine, output_line, parse_lines
+from servefleet.gateway.batch_demand import OpenWork
 from servefleet.gateway.batch_store import BatchStore
 
 log = logging.getLogger("servefleet.gateway.batches")
@@ -45,7 +49,7 @@ def is_not_now(status: int, body: bytes) -> bool:
 
 
 class BatchRunner:
-    """One task for every open batch of the store, oldest first."""
+    """One task for every open batch of the store, earliest deadline first."""
 
     def __init__(
         self,
@@ -56,6 +60,8 @@ class BatchRunner:
         retry_s: float = 2.0,
         poll_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        on_work: Callable[[list[OpenWork]], None] | None = None,
+        batch_slots: Callable[[], int] | None = None,
     ) -> None:
         self.store = store
         self._call = call
@@ -64,14 +70,43 @@ class BatchRunner:
         self._poll_s = poll_s
         self._clock = clock
         self._wake = asyncio.Event()
+        self._on_work = on_work
+        self._batch_slots = batch_slots  # slots the pools now leave batch requests, in all
+        self._work: dict[str, OpenWork] = {}  # open batch id -> its lines left, per model
 
     def wake(self) -> None:
         """A batch was created or cancelled: look now, not at the next poll."""
         self._wake.set()
 
+    def note(self, batch: Batch, lines: list[BatchLine], done: Collection[int] = ()) -> None:
+        """What `batch` still has to answer, per model, from now on."""
+        left = Counter(_model(line) for i, line in enumerate(lines) if i not in done)
+        self._work[batch.id] = OpenWork(batch.tenant, float(batch.expires_at), left)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._on_work is not None:
+            self._on_work(list(self._work.values()))
+
+    async def _note_unseen(self, batches: list[Batch]) -> None:
+        """Open batches not noted yet (after a restart): read once, for the batch signal."""
+        for batch in batches:
+            if batch.id not in self._work:
+                lines, done = await self._pending(batch)
+                self.note(batch, lines, done)
+
+    async def _pending(self, batch: Batch) -> tuple[list[BatchLine], set[int]]:
+        data = await asyncio.to_thread(self.store.file_content, batch.tenant, batch.input_file_id)
+        lines, _ = parse_lines(data or b"", batch.endpoint)
+        done = {r["index"] for r in await asyncio.to_thread(self.store.results, batch)}
+        return lines, done
+
     async def run(self) -> None:
         while True:
-            for batch in await asyncio.to_thread(self.store.open_batches):
+            batches = await asyncio.to_thread(self.store.open_batches)
+            batches.sort(key=lambda b: (b.expires_at, b.created_at))  # earliest deadline first
+            await self._note_unseen(batches)
+            for batch in batches:
                 try:
                     await self.advance(batch)
                 except asyncio.CancelledError:
@@ -87,19 +122,24 @@ class BatchRunner:
         if await asyncio.to_thread(self._stopped, batch):
             await self.finish(batch)
             return
-        data = await asyncio.to_thread(self.store.file_content, batch.tenant, batch.input_file_id)
-        lines, _ = parse_lines(data or b"", batch.endpoint)
-        done = {r["index"] for r in await asyncio.to_thread(self.store.results, batch)}
-        pending = iter([(i, line) for i, line in enumerate(lines) if i not in done])
+        lines, done = await self._pending(batch)
+        self.note(batch, lines, done)
+        pending = deque((i, line) for i, line in enumerate(lines) if i not in done)
 
-        async def worker() -> None:  # workers share one iterator: each line is taken once
-            for index, line in pending:
+        async def worker() -> None:  # workers share one queue: each line is taken once
+            while pending:
+                index, line = pending.popleft()
                 await self._run_line(batch, index, line)
 
-        count = min(self._concurrency, len(lines) - len(done))
-        tasks = [asyncio.create_task(worker()) for _ in range(max(count, 0))]
+        tasks: list[asyncio.Task[None]] = []
         try:
-            while tasks:
+            while True:
+                # As many lines in flight as the pool has batch slots (replicas bought for
+                # a deadline count at once); lines beyond them would only queue.
+                while pending and len(tasks) < self._lines_at_once():
+                    tasks.append(asyncio.create_task(worker()))
+                if not tasks:
+                    break
                 finished, running = await asyncio.wait(tasks, timeout=self._poll_s)
                 for task in finished:
                     task.result()
@@ -112,6 +152,10 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.finish(batch)
+
+    def _lines_at_once(self) -> int:
+        slots = self._batch_slots() if self._batch_slots is not None else 0
+        return max(self._concurrency, slots)
 
     def _stopped(self, batch: Batch) -> bool:
         current = self.store.batch(batch.tenant, batch.id)
@@ -132,6 +176,9 @@ class BatchRunner:
         record = {"index": index, "status": status, "request_id": request_id, "body": parsed}
         record["custom_id"] = line.custom_id
         await asyncio.to_thread(self.store.append_result, batch, record)
+        if (work := self._work.get(batch.id)) is not None:
+            work.left[_model(line)] -= 1
+            self._publish()
 
     async def finish(self, batch: Batch) -> None:
         """Write the output and error files from the journal and close the batch."""
@@ -155,6 +202,8 @@ class BatchRunner:
         else:
             current.status, current.completed_at = "completed", now
         await asyncio.to_thread(self.store.save_batch, current)
+        if self._work.pop(current.id, None) is not None:
+            self._publish()
         log.info(
             "batch_%s id=%s tenant=%s completed=%d failed=%d",
             current.status,
@@ -185,6 +234,11 @@ class BatchRunner:
             self.store.put_file, batch.tenant, name, "batch_output", text
         )
         return file.id
+
+
+def _model(line: BatchLine) -> str:
+    model = line.body.get("model")
+    return model if isinstance(model, str) else ""
 
 
 def _index(record: dict[str, Any]) -> int:

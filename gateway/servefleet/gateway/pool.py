@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING
 from servefleet.api.ewma import Ewma
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
 from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
+from servefleet.api.llmdeployment import batch_reserve
 from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
+from servefleet.gateway.batch_demand import Due, lines_per_second_needed
 from servefleet.gateway.kv_cost import Decision
 from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
@@ -69,12 +71,10 @@ class DeploymentPool:
             eject_max_s=routing.eject_max_seconds,
         )
         self.tenants: dict[str, TenantAccess] = {t.name: t for t in config.tenants}
-        # Slots of each replica batch requests leave to interactive ones (one slot stays
-        # batch's, so a batch backlog always progresses).
-        cap = config.pool.per_replica_concurrency
-        self.batch_reserve = min(config.admission.interactive_reserved_slots, cap - 1)
+        self.batch_reserve = batch_reserve(config.pool.per_replica_concurrency, config.admission)
         self.in_flight = 0
         self.in_flight_batch = 0
+        self.batch_due: list[Due] = []  # open batches' lines for it, by deadline (pool clock)
         self.service_time = Ewma(config.service_seconds)
         self.cold_start = Ewma(config.cold_start_seconds)
         self._completions = RateWindow()
@@ -114,6 +114,7 @@ class DeploymentPool:
         self.cold_start = old.cold_start
         self.promises = old.promises
         self.kv_index, self.kv_decisions = old.kv_index, old.kv_decisions
+        self.batch_due = old.batch_due
         if self.config.tokenizer == old.config.tokenizer:
             self.token_counter = old.token_counter
 
@@ -176,6 +177,11 @@ class DeploymentPool:
         if not starting:
             return expected  # nothing starting yet: the autoscaler has to start one
         return min(max(0.0, expected - (now - r.first_seen)) for r in starting)
+
+    def set_batch_due(self, due: list[Due], wall_now: float) -> None:
+        """Open batches' (lines, wall-clock deadline) for this deployment (`batch_demand`)."""
+        now = self._clock()
+        self.batch_due = [(lines, now + deadline - wall_now) for lines, deadline in due]
 
     def record_ttft(self, seconds: float) -> None:
         self.ttfts.add(self._clock(), seconds)
@@ -243,13 +249,21 @@ class DeploymentPool:
             seconds_until_ready=self.seconds_until_ready(now),
         )
         spill = self.config.spillover
+        # Batch work waits for the pool's spare capacity, never paid for elsewhere while the
+        # pool has a replica (a route with none, e.g. hosted-only, spills as before).
+        may_spill = cls is TrafficClass.INTERACTIVE or view.ready_replicas == 0
         rule = SpillRule(
-            allowed=self._spill_allowed(tenant),
+            allowed=may_spill and self._spill_allowed(tenant),
             on_queue_full=spill.when.queue_full if spill else False,
             on_no_ready_replica=spill.when.no_ready_replica if spill else False,
             wait_over_s=spill.when.predicted_wait_over_seconds if spill else None,
         )
         return decide(view, self.config.admission.max_queue_wait, rule)
+
+    def batch_slots(self) -> int:
+        """Slots of its ready replicas batch requests may hold (busy or not)."""
+        ready = self.replicas.ready_count(self._clock())
+        return ready * (self.replicas.cap - self.batch_reserve)
 
     def reserve_for(self, traffic_class: TrafficClass) -> int:
         """Slots per replica a request of this class may not take."""
@@ -445,6 +459,8 @@ class DeploymentPool:
             completions_per_second=self._completions.per_second(now),
             spilled_per_second=self._spills.per_second(now),
             spilled_tokens_per_second=self._spilled_tokens.per_second(now),
+            batch_lines_left=sum(lines for lines, _ in self.batch_due),
+            batch_lines_per_second_needed=lines_per_second_needed(self.batch_due, now),
             mean_service_seconds=self.service_time.value,
             cold_start_seconds=self.cold_start.value,
             queue_wait_p90_seconds=self.queue_waits.percentile(now, 0.9),
