@@ -29,7 +29,7 @@ from servefleet.api.gateway_config import (
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.batch_runner import BatchRunner
+from servefleet.gateway.batch_runner import BatchRunner, is_not_now
 from servefleet.gateway.batch_store import BatchStore
 
 MODEL = "m"
@@ -273,3 +273,21 @@ def test_the_api_is_not_found_where_it_is_not_enabled() -> None:
         base = stack.enter_context(serve_in_thread(Gateway(_config(None))))
         answer = httpx.get(base + "/v1/batches", headers={"authorization": "Bearer key-a"})
         assert answer.status_code == 404 and "not enabled" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "again"),
+    [
+        (429, "rate_limit_exceeded", True),
+        (503, "overloaded", True),
+        (503, "budget_unavailable", True),
+        (502, "upstream_unreachable", True),  # the replica stopped before it answered
+        (503, "insufficient_quota", False),
+        (502, "upstream_error", False),  # the replica answered with an error: final
+        (400, "invalid_request_error", False),
+        (404, "model_not_found", False),
+    ],
+)
+def test_which_answers_send_a_line_back_to_wait(status: int, code: str, again: bool) -> None:
+    body = json.dumps({"error": {"message": "m", "type": "t", "param": None, "code": code}})
+    assert is_not_now(status, body.encode()) is again

@@ -293,7 +293,7 @@ def _scale_up_target(
             size, reason = needed, Reason.LATENCY_OVER_TARGET
     if _renting(observation, targets, tick) and size > tick.current:
         size, reason = tick.current, Reason.SPILLING
-    if tick.batch > max(size, tick.current):  # batch lines never spill: only replicas help
+    if tick.batch > max(size, tick.current):  # batch work waits for replicas, never spills
         size, reason = tick.batch, Reason.BATCH_DEADLINE
     wanted = _clamp_to(size, targets)
     if tick.headroom is not None and wanted > tick.current + tick.headroom:

@@ -3,11 +3,12 @@ traffic class, so batch work takes only what interactive traffic leaves (the poo
 interactive requests first and sheds batch ones first).
 
 A line the pool or the limits turn away for now (429 rate limit, 503 overloaded or limits
-unavailable) is not an answer: it is tried again after `retry_s`, so a batch waits for spare
-capacity instead of failing. Every other answer is final and journaled (`BatchStore`) before
-the next line is counted, so a gateway restarted mid-batch resumes after the lines it has
-journaled. A line in flight when the gateway dies runs again after the restart: a line is
-journaled, and so charged in the report, once, but the engine may have computed it twice.
+unavailable, 502 a replica that could not be reached, e.g. one stopping) is not an answer: it
+is tried again after `retry_s`, so a batch waits for spare capacity instead of failing.
+Every other answer is final and journaled (`BatchStore`) before the next line is counted, so
+a gateway restarted mid-batch resumes after the lines it has journaled. A line in flight when
+the gateway dies runs again after the restart: a line is journaled, and so charged in the
+report, once, but the engine may have computed it twice.
 At the end (every line answered, the batch cancelled, or its window past) the output and error
 files are written from the journal in input order and the batch is closed. Batches run earliest
 deadline first; what each still has to answer, per model, is published (`on_work`) for the
@@ -34,12 +35,16 @@ log = logging.getLogger("servefleet.gateway.batches")
 
 # (tenant, path, body) -> (status, response body, request id)
 LineCaller = Callable[[str, str, bytes], Awaitable[tuple[int, bytes, str]]]
-NOT_NOW_CODES = frozenset({"rate_limit_exceeded", "overloaded", "budget_unavailable"})
+# 502 upstream_unreachable: the replica went away (stopped, drained, died) before answering;
+# the line itself is fine, and another replica, or this one back, answers it.
+NOT_NOW_CODES = frozenset(
+    {"rate_limit_exceeded", "overloaded", "budget_unavailable", "upstream_unreachable"}
+)
 
 
 def is_not_now(status: int, body: bytes) -> bool:
     """A refusal that says "later", not "no": the line is tried again."""
-    if status not in (429, 503):
+    if status not in (429, 502, 503):
         return False
     try:
         code = json.loads(body)["error"]["code"]
