@@ -419,7 +419,8 @@ class DeploymentPool:
     def lease_elsewhere(self, lease: Lease) -> Lease | None:
         """A slot for `lease`'s request on another replica, if one is free now."""
         now = self._clock()
-        reserve = self.batch_reserve if lease.batch else 0
+        traffic_class = TrafficClass.BATCH if lease.batch else TrafficClass.INTERACTIVE
+        reserve = self.reserve_for(traffic_class)
         other = self.replicas.pick(None, now, slack=0, exclude=lease.replica, reserve=reserve)
         if other is None:
             return None
