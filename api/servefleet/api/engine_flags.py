@@ -17,6 +17,7 @@ from typing import Literal, get_args
 from servefleet.api.kv_cache import KVCacheDtype
 from servefleet.api.load_quantization import LoadQuantization
 from servefleet.api.matmul_dtype import MatmulDtype
+from servefleet.api.parallel import DEFAULT_DIST_TIMEOUT_S
 from servefleet.api.step_cost import AUTO_TARGET_FACTOR
 
 API_KEY_ENV = "SERVEFLEET_API_KEY"
@@ -308,6 +309,33 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "quantize a float checkpoint's projections at load to packed int8 or int4 blocks "
         "(CPU, float32; default: weights as stored)",
         choices=_choices(LoadQuantization),
+    ),
+    EngineFlag(
+        "tensor_parallel_size",
+        "kernels",
+        "processes one replica's model is split over by heads (torch.distributed; the "
+        "rank, world size and rendezvous come from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)",
+        kind=int,
+        default=1,
+        minimum=1,
+        maximum=64,
+    ),
+    EngineFlag(
+        "pipeline_parallel_size",
+        "kernels",
+        "processes one replica's layers are split over (only 1: not implemented yet)",
+        kind=int,
+        default=1,
+        minimum=1,
+        maximum=64,
+    ),
+    EngineFlag(
+        "dist_timeout",
+        "kernels",
+        "seconds one collective waits for a peer rank before the group is declared lost",
+        kind=float,
+        default=DEFAULT_DIST_TIMEOUT_S,
+        above=0,
     ),
     EngineFlag(
         "threads",

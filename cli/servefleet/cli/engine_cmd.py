@@ -19,6 +19,7 @@ from servefleet.api.engine_flags import (
     GROUP_TITLES,
     EngineFlag,
 )
+from servefleet.api.parallel import RANK_ENV
 from servefleet.cli.listen import bind_listener
 from servefleet.cli.logs import add_logging_arguments, setup_logging
 
@@ -71,6 +72,8 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("servefleet.engine")
+    if _worker_rank():
+        return run_worker_rank(args, log)
     # First thing: a busy port ends here as one line (servefleet.cli.main reports ListenError).
     listener = bind_listener(args.host, args.port)
     from pydantic import ValidationError
@@ -84,6 +87,30 @@ def run(args: argparse.Namespace) -> int:
         log.error("invalid engine settings: %s", _settings_error(exc))
         return 2
     return run_engine(config, listener)
+
+
+def _worker_rank() -> bool:
+    """A non-zero RANK (torch's environment): this process only runs a model shard."""
+    return os.environ.get(RANK_ENV, "0").strip() not in ("", "0")
+
+
+def run_worker_rank(args: argparse.Namespace, log: logging.Logger) -> int:
+    """A tensor-parallel worker rank: no port, no HTTP; rank 0's steps until it stops."""
+    from pydantic import ValidationError
+
+    from servefleet.engine.config import EngineConfig
+
+    try:
+        config = EngineConfig(**engine_settings(args))
+    except ValidationError as exc:
+        log.error("invalid engine settings: %s", _settings_error(exc))
+        return 2
+    from servefleet.engine.cpu_isa import ensure_safe_cpu_isa
+
+    log.info("cpu_isa=%r", ensure_safe_cpu_isa())
+    from servefleet.engine.parallel.worker import run_worker
+
+    return run_worker(config)
 
 
 def run_engine(config: EngineConfig, listener: socket.socket) -> int:

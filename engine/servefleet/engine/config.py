@@ -92,6 +92,9 @@ class EngineConfig(BaseModel):
     packed_weights: bool = knob("packed_weights")
     quantization: LoadQuantization | None = knob("quantization")
     threads: int | None = knob("threads")
+    tensor_parallel_size: int = knob("tensor_parallel_size")
+    pipeline_parallel_size: int = knob("pipeline_parallel_size")
+    dist_timeout: float = knob("dist_timeout")
 
     @field_validator("speculative_config", mode="before")
     @classmethod

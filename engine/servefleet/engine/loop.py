@@ -254,6 +254,7 @@ class Engine:
                 if not self.scheduler.num_unfinished:
                     self._wakeup.wait(1.0)
                     self._wakeup.clear()
+                    self.runner.idle()  # a split model's ranks hear from rank 0 while idle
                     continue
                 self._step()
         except BaseException as exc:  # the loop is dead: fail everything, /health tells

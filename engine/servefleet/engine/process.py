@@ -44,6 +44,10 @@ from servefleet.engine.model.kv_layout import (
     layer_views,
 )
 from servefleet.engine.model.loader import LoadedModel, load_model
+from servefleet.engine.parallel.group import GroupLostError, ParallelGroup, leave_group
+from servefleet.engine.parallel.runner import ParallelRunner
+from servefleet.engine.parallel.setup import attach_group, leader_group, shard_for
+from servefleet.engine.parallel.shard import ShardingError
 from servefleet.engine.runner import ModelRunner
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import Scheduler, SchedulerConfig
@@ -140,8 +144,9 @@ class BuiltEngine:
     kv_cache: KVCacheManager
 
 
-def load_for(config: EngineConfig) -> LoadedModel:
-    device = resolve_device(config.device)
+def load_for(config: EngineConfig, group: ParallelGroup | None = None) -> LoadedModel:
+    """The model `config` names (with `group`: this rank's shard of it)."""
+    device = resolve_device(config.device) if group is None else group.device
     dtype = resolve_dtype(config.dtype, device)
     kernel_name, kernel = select_decode_kernel(device, prefer=config.decode_kernel)
     if config.matmul_dtype != "float32" and dtype != torch.float32:
@@ -159,7 +164,10 @@ def load_for(config: EngineConfig) -> LoadedModel:
         max_positions=config.max_model_len,
         packed_weights=config.packed_weights and matmul.name != "torch",
         quantization=config.quantization,
+        shard=None if group is None else shard_for(group),
     )
+    if group is not None:
+        attach_group(loaded, group)
     loaded.model.set_matmul(matmul)
     # The fused ops go with the C matmuls: --matmul torch keeps the model all-PyTorch.
     fused = select_fused_ops(device) if matmul.name != "torch" else None
@@ -231,14 +239,9 @@ def build_speculator(
     return Speculator(spec, max_rows, proposer)
 
 
-def build_engine(
-    config: EngineConfig, loaded: LoadedModel | None = None, draft: LoadedModel | None = None
-) -> BuiltEngine:
-    """Everything but the HTTP server; `loaded` (and `draft`, a draft model for
-    speculative decoding) let tests share one model between engines."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    loaded = loaded or load_for(config)
+def kv_cache_plan(config: EngineConfig, loaded: LoadedModel) -> tuple[int, int, torch.dtype, int]:
+    """(blocks, bytes a block, dtype, context length) of the KV cache, and the model's
+    kernels set for batch invariance: what every rank of a replica computes alike."""
     device = next(loaded.model.parameters()).device
     dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
     check_kv_cache_dtype(dtype, loaded)
@@ -264,6 +267,26 @@ def build_engine(
             num_blocks,
             budget,
         )
+    return num_blocks, per_block, dtype, max_model_len
+
+
+def build_engine(
+    config: EngineConfig,
+    loaded: LoadedModel | None = None,
+    draft: LoadedModel | None = None,
+    group: ParallelGroup | None = None,
+) -> BuiltEngine:
+    """Everything but the HTTP server; `loaded` (and `draft`, a draft model for
+    speculative decoding) let tests share one model between engines; `group`: rank 0 of
+    a tensor-parallel replica (the model is its shard, every step goes to all ranks)."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    loaded = loaded or load_for(config, group)
+    device = next(loaded.model.parameters()).device
+    num_blocks, per_block, dtype, max_model_len = kv_cache_plan(config, loaded)
+    invariant = loaded.model.attn_impl.per_row_prefill
+    if group is not None:  # every rank holds as many blocks: the scheduler's tables index all
+        num_blocks = group.agree_min(num_blocks)
     storage = allocate_kv_storage(loaded.config, num_blocks, config.block_size, dtype, device)
     log.info(
         "kv_cache: blocks=%d tokens=%d bytes=%d dtype=%s block_size=%d max_model_len=%d "
@@ -290,7 +313,11 @@ def build_engine(
         build_speculator(config, loaded, (num_blocks, dtype), draft),
         chunk_budget_for(config.decode_step_target, step_cost, config.block_size),
     )
-    runner = ModelRunner(loaded.model, layer_views(storage), config.block_size, device)
+    runner = (
+        ModelRunner(loaded.model, layer_views(storage), config.block_size, device)
+        if group is None
+        else ParallelRunner(loaded.model, layer_views(storage), config.block_size, device, group)
+    )
     metrics = EngineMetrics(config.name)
     metrics.set_kv_cache_layout(str(dtype).removeprefix("torch."), per_block // config.block_size)
     engine = Engine(scheduler, runner, loaded.tokenizer, metrics, config.stall_timeout, step_cost)
@@ -306,7 +333,8 @@ def build_engine(
         tool_call_parser=config.tool_call_parser,
         prepare_timeout_s=config.prepare_timeout,
         loras=build_lora_registry(config, loaded, engine) if config.enable_lora else None,
-        kv_store=build_kv_store(config, loaded, storage, kv),
+        # A rank's cache holds its heads only: no blocks to move between engines.
+        kv_store=build_kv_store(config, loaded, storage, kv) if group is None else None,
         kv_peer_networks=config.peer_networks,
     )
     return BuiltEngine(engine, state, loaded, kv)
@@ -341,9 +369,11 @@ def warm_up(built: BuiltEngine) -> None:
     built.kv_cache.prefix_queries = built.kv_cache.prefix_hits = 0
 
 
-def load_and_warm(config: EngineConfig) -> tuple[BuiltEngine, float]:
+def load_and_warm(
+    config: EngineConfig, group: ParallelGroup | None = None
+) -> tuple[BuiltEngine, float]:
     """The engine, warmed up, and the warm-up's seconds."""
-    built = build_engine(config)
+    built = build_engine(config, group=group)
     t0 = time.monotonic()
     warm_up(built)
     return built, time.monotonic() - t0
@@ -365,11 +395,17 @@ def serve(config: EngineConfig, http_server: EngineHttpServer) -> int:
     """
     server, gate, http = http_server.server, http_server.gate, http_server.thread
     try:
-        built, warm_s = load_and_warm(config)
+        group = leader_group(config, resolve_device(config.device))
+        built, warm_s = load_and_warm(config, group)
         built.state.api_key = config.api_key
         gate.open(build_app(built.state))
         server.serving = built.state  # from here on a signal drains
-    except (UnknownModelError, KernelUnavailableError, EngineSettingsError) as exc:
+    except GroupLostError as exc:
+        log.error("tensor_parallel_group_lost: %s", exc)
+        server.should_exit = True
+        http.join(5)
+        return 1
+    except (UnknownModelError, KernelUnavailableError, EngineSettingsError, ShardingError) as exc:
         log.error("cannot start: %s", exc)  # one line: the cause is the user's input
         server.should_exit = True
         http.join(5)
@@ -396,10 +432,15 @@ def serve(config: EngineConfig, http_server: EngineHttpServer) -> int:
         "required" if config.api_key else "off",
     )
     built.engine.run()
-    if built.engine.fatal_error is not None:
-        log.error("engine loop died, exiting: %r", built.engine.fatal_error)
+    fatal = built.engine.fatal_error
+    if fatal is not None:
+        if isinstance(fatal, GroupLostError):
+            log.error("tensor_parallel_group_lost: %s", fatal)
+        log.error("engine loop died, exiting: %r", fatal)
         server.should_exit = True
         http.join(10)
         return 1
+    built.engine.runner.close()
     http.join(config.drain_timeout + 10)
+    leave_group()
     return 0

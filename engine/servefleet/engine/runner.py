@@ -130,19 +130,40 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta, logit_rows
 
+    world_size = 1  # processes the model is split over (`parallel.runner`)
+
+    def idle(self) -> None:
+        """Called by the engine loop while it has nothing to run (about once a second)."""
+
+    def close(self) -> None:
+        """The engine is done: release what the runner holds beyond this process."""
+
+    def run_model(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttentionMetadata,
+        logit_rows: list[int],
+    ) -> torch.Tensor | None:
+        """The step through the model: float32 CPU logits of `logit_rows` (None: none)."""
+        hidden = self.model.forward(ids, pos, self.kv_caches, meta)
+        if not logit_rows:
+            return None
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         ids, pos, meta, logit_rows = self.build_inputs(out)
         for span in meta.prefills:
             span.block_table = span.block_table.to(self.device)
-        hidden = self.model.forward(ids, pos, self.kv_caches, meta)
+        logits = self.run_model(ids, pos, meta, logit_rows)
         chunks = out.decodes + out.prefills
         sampled = [c for c in chunks if c.samples]
         if not sampled:
             return StepResult([], [], [])
+        assert logits is not None
         seqs = [c.seq for c in sampled]
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
         if any(c.draft_token_ids for c in sampled):
             tokens, logprobs = verify_drafts(logits, seqs, [c.draft_token_ids for c in sampled])
             return StepResult(seqs, tokens, logprobs)

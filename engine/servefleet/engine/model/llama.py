@@ -9,7 +9,7 @@ handed to the matmul backend as it is.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,9 @@ from servefleet.engine.model.decode_program import build_decode_layers, lora_ste
 from servefleet.engine.model.kv_layout import KVCache
 from servefleet.engine.model.rope import rope_table
 from servefleet.engine.model.weights import LM_HEAD, MissingWeightError, projection_shapes
+from servefleet.engine.parallel.embedding import vocab_parallel_embedding
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _weight(*shape: int, factory: dict[str, Any], fill: float | None = None) -> nn.Parameter:
@@ -53,6 +56,7 @@ class DecoderLayer(nn.Module):
         self.attn_impl = attn_impl
         self.matmul: Matmul = TORCH_MATMUL
         self.lora_kernel: LoraKernel | None = None  # None: adapters' products in PyTorch
+        self.reduce: Reduce = _whole  # tensor parallel: the all-reduce of o's and down's partials
         hidden = config.hidden_size
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.input_norm = _weight(hidden, factory=factory, fill=1.0)
@@ -111,11 +115,12 @@ class DecoderLayer(nn.Module):
             qk[:, :heads], qk[:, heads:], v, kv_cache[0], kv_cache[1], meta, self.scale
         )
         attn_out = self._mm(attn.reshape(num_tokens, heads * hd), "o_weight", meta, self.o_bias)
+        attn_out = self.reduce(attn_out)
         hidden = hidden + attn_out
         x = F.rms_norm(hidden, self.post_attn_norm.shape, self.post_attn_norm, self.eps)
         gate_up = self._mm(x, "gate_up_weight", meta)
         gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + self._mm(F.silu(gate) * up, "down_weight", meta)
+        return hidden + self.reduce(self._mm(F.silu(gate) * up, "down_weight", meta))
 
     def forward_fused(
         self,
@@ -142,10 +147,11 @@ class DecoderLayer(nn.Module):
         q = qkv[:, : heads * hd].view(num_tokens, heads, hd)
         attn = self.attn_impl.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
         attn_out = self._mm(attn.reshape(num_tokens, heads * hd), "o_weight", meta, self.o_bias)
+        attn_out = self.reduce(attn_out)
         x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
         gate_up = self._mm(x, "gate_up_weight", meta)
         act = ops.silu_mul(gate_up)
-        return hidden, self._mm(act, "down_weight", meta)
+        return hidden, self.reduce(self._mm(act, "down_weight", meta))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -165,6 +171,8 @@ class LlamaForCausalLM(nn.Module):
         self.attn_impl = attn_impl or PagedAttention()
         self.matmul: Matmul = TORCH_MATMUL
         self.lora_kernel: LoraKernel | None = None
+        self.reduce: Reduce | None = None  # set_tensor_parallel
+        self.vocab_start = 0  # the first token id of this rank's embedding rows
         self.max_positions = max_positions or config.max_position_embeddings
         vocab, hidden = config.vocab_size, config.hidden_size
         self.embed_tokens = _weight(vocab, hidden, factory=factory)
@@ -216,6 +224,17 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.matmul = matmul
 
+    def set_tensor_parallel(self, reduce: Reduce, vocab_start: int) -> None:
+        """Run as one rank's shard (`parallel.shard`): `reduce` sums the row-parallel
+        partials and embedding rows across ranks. All layers in one C call has no place
+        for the all-reduces between them, so decode steps take the per-layer path."""
+        self.reduce, self.vocab_start = reduce, vocab_start
+        self.one_call_decode = False
+        self._decode_layers = None
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.reduce = reduce
+
     def set_lora_kernel(self, kernel: LoraKernel | None) -> None:
         """Add the step's adapter products through `kernel` (C on CPU, Triton on GPU) where
         it takes the tensors; None keeps the PyTorch path."""
@@ -236,7 +255,12 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.dtype
         ):
             self._build_rope()
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.reduce is None:
+            hidden = F.embedding(input_ids, self.embed_tokens)
+        else:
+            hidden = vocab_parallel_embedding(
+                input_ids, self.embed_tokens, self.vocab_start, self.reduce
+            )
         ops = self.fused_ops
         if (
             ops is not None
@@ -399,6 +423,11 @@ class LlamaForCausalLM(nn.Module):
             raise MissingWeightError(f"weights lack tensors: {sorted(missing)[:5]}")
         self.load_state_dict(converted, strict=True, assign=True)
         self._build_rope()
+
+
+def _whole(partial: torch.Tensor) -> torch.Tensor:
+    """One process holds the whole model: a projection's output is already the sum."""
+    return partial
 
 
 def _check_packable(dtype: torch.dtype, device: torch.device) -> None:

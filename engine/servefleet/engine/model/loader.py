@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def load_model(
     use_cache: bool = True,
     packed_weights: bool = True,
     quantization: str | None = None,
+    shard: Callable[[Checkpoint], Checkpoint] | None = None,
 ) -> LoadedModel:
     """Load `source`: a .gguf file, a Hugging Face folder, or a built-in model name.
 
@@ -83,12 +85,15 @@ def load_model(
     results from 3.5-5x fewer bytes). Otherwise they are dequantized here.
     `quantization` (int8, int4): quantize the float projections at load into packed blocks
     (needs packed weights on a float32 CPU model), each weight as it is read.
+    `shard`: keep only this process's share of the checkpoint (tensor parallelism).
     """
     if quantization is not None:
         _check_quantizable(quantization, dtype, device, packed_weights)
     checkpoint = read_checkpoint(
         source, cache_root=cache_root, use_cache=use_cache, quantization=quantization
     )
+    if shard is not None:
+        checkpoint = shard(checkpoint)
     return model_from_checkpoint(
         checkpoint,
         dtype,

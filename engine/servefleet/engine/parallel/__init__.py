@@ -1,0 +1,6 @@
+"""One replica over several processes: tensor parallelism over torch.distributed.
+
+`group` joins the processes, `shard` splits a checkpoint by heads and vocabulary, `plan`
+is the one message a step sends, `runner` drives the ranks from rank 0's scheduler and
+`worker` is what the other ranks run, `setup` refuses what does not combine with it.
+"""

@@ -1,0 +1,87 @@
+"""What a tensor-parallel engine refuses at start-up, and how a rank loads its shard.
+
+Refused by name (one line, exit 2), because they would be wrong rather than slow split
+over ranks: speculative decoding (its draft model and verification are one process's),
+LoRA adapters (their low-rank products are not split), pipeline parallelism (not
+implemented), and a WORLD_SIZE that is not the tensor-parallel size. KV-block transfer
+and embeddings are turned off rather than refused (their endpoints answer 400): they read
+one process's KV cache or hidden states, which hold only that rank's heads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from servefleet.api.parallel import RankPlace, rank_place
+from servefleet.engine.config import EngineConfig, EngineSettingsError
+from servefleet.engine.model.conversion_cache import Checkpoint
+from servefleet.engine.model.loader import LoadedModel
+from servefleet.engine.parallel.group import ParallelGroup, join_group
+from servefleet.engine.parallel.shard import shard_checkpoint
+
+log = logging.getLogger("servefleet.engine.parallel")
+
+
+def check_parallel_settings(config: EngineConfig, place: RankPlace) -> None:
+    """Refuse what does not combine with a split model (`EngineSettingsError`, one line)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp > 1:
+        raise EngineSettingsError(
+            f"--pipeline-parallel-size {pp}: pipeline parallelism is not implemented by this "
+            "engine (use --tensor-parallel-size)"
+        )
+    if place.world_size != tp:
+        raise EngineSettingsError(
+            f"--tensor-parallel-size {tp} needs WORLD_SIZE={tp} processes, "
+            f"the environment says WORLD_SIZE={place.world_size}"
+        )
+    if tp == 1:
+        return
+    refused = {
+        "--speculative-config": config.speculative_config is not None,
+        "--enable-lora": config.enable_lora,
+    }
+    for flag, asked in refused.items():
+        if asked:
+            raise EngineSettingsError(f"{flag} is not supported with --tensor-parallel-size {tp}")
+
+
+def parallel_device(device: torch.device, place: RankPlace) -> torch.device:
+    """CUDA ranks take one GPU each (cuda:LOCAL_RANK); CPU ranks share the CPU."""
+    if device.type != "cuda" or place.world_size == 1:
+        return device
+    chosen = torch.device("cuda", place.local_rank)
+    torch.cuda.set_device(chosen)
+    return chosen
+
+
+def attach_group(loaded: LoadedModel, group: ParallelGroup) -> None:
+    """Make the loaded shard a rank of `group`: its partial sums meet in all-reduces."""
+    loaded.model.set_tensor_parallel(group.all_reduce, group.rank * loaded.config.vocab_size)
+
+
+def shard_for(group: ParallelGroup) -> Callable[[Checkpoint], Checkpoint]:
+    """The checkpoint transform giving `group`'s rank its share."""
+    return lambda checkpoint: shard_checkpoint(checkpoint, group.rank, group.world_size)
+
+
+def this_place() -> RankPlace:
+    """This process's place from torch's environment; a malformed one refused in one line."""
+    try:
+        return rank_place()
+    except ValueError as exc:
+        raise EngineSettingsError(f"tensor parallel environment: {exc}") from None
+
+
+def leader_group(config: EngineConfig, device: torch.device) -> ParallelGroup | None:
+    """Rank 0's group when the model is split (None: one process holds it all)."""
+    place = this_place()
+    check_parallel_settings(config, place)
+    if config.tensor_parallel_size == 1:
+        return None
+    if not place.is_leader:
+        raise EngineSettingsError(f"rank {place.rank} runs the worker loop, not the server")
+    return join_group(place, parallel_device(device, place), config.dist_timeout)
