@@ -8,7 +8,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +118,8 @@ def _greedy(built: Any, prompts: list[list[int]], batched: bool) -> list[list[in
 
 
 def _outputs(settings: dict[str, Any], prompts: list[list[int]]) -> dict[str, list[list[int]]]:
-    from servefleet.engine.process import build_engine, resolve_device
     from servefleet.engine.parallel.setup import leader_group
+    from servefleet.engine.process import build_engine, resolve_device
 
     config = EngineConfig(**settings)
     group = leader_group(config, resolve_device("cpu"))
@@ -131,55 +130,58 @@ def _outputs(settings: dict[str, Any], prompts: list[list[int]]) -> dict[str, li
 
 
 def _rank_main(
-    rank: int, world: int, port: int, settings: dict[str, Any], prompts: Any, results: Any
+    rank: int, world: int, ports: list[int], runs: list[dict[str, Any]], prompts: Any, results: Any
 ) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    """One rank through every run in turn (a fresh group each, on its own port)."""
     from servefleet.engine.parallel.group import leave_group
-
-    if rank == 0:
-        results.put(("outputs", _outputs(settings, prompts)))
-        leave_group()
-        return
     from servefleet.engine.parallel.worker import run_worker
 
-    results.put((f"rank{rank}", run_worker(EngineConfig(**settings))))
+    for index, (port, settings) in enumerate(zip(ports, runs, strict=True)):
+        os.environ.update(
+            {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}
+        )  # fmt: skip
+        if rank == 0:
+            results.put((index, "outputs", _outputs(settings, prompts)))
+            leave_group()
+        else:
+            results.put((index, f"rank{rank}", run_worker(EngineConfig(**settings))))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _run_split(settings: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
-    world = settings["tensor_parallel_size"]
+def run_split(
+    runs: list[dict[str, Any]], prompts: list[list[int]], world: int
+) -> list[dict[str, Any]]:
+    """Each run's rank-0 outputs and the other ranks' exit statuses, ranks as processes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    ports = [free_port() for _ in runs]
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, settings, prompts, results))
+        ctx.Process(target=_rank_main, args=(r, world, ports, runs, prompts, results))
         for r in range(world)
     ]
     for p in procs:
         p.start()
-    got: dict[str, Any] = {}
-    for _ in range(world):
-        key, value = results.get(timeout=120)
-        got[key] = value
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    got: list[dict[str, Any]] = [{} for _ in runs]
+    try:
+        for _ in range(world * len(runs)):
+            index, key, value = results.get(timeout=240)
+            got[index][key] = value
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.exitcode is None:
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * world
     return got
 
 
-def _reference(settings: dict[str, Any], prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+def reference(settings: dict[str, Any], prompts: list[list[int]]) -> dict[str, list[list[int]]]:
     from servefleet.engine.process import build_engine
 
     built = build_engine(EngineConfig(**{**settings, "tensor_parallel_size": 1}))
@@ -191,18 +193,93 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(_tiny_model(tmp_path_factory.mktemp("tp") / "tiny"))
 
 
+RUNS = {
+    "float32, torch matmuls": {"matmul": "torch"},
+    "int8 packed at load, C matmuls, int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
+}
+
+
+def test_tp2_greedy_equals_tp1_alone_and_batched(tiny: str) -> None:
+    runs = [_settings(tiny, 2, **extra) for extra in RUNS.values()]
+    split = run_split(runs, PROMPTS, 2)
+    for name, settings, got in zip(RUNS, runs, split, strict=True):
+        assert got["rank1"] == 0, name
+        expected = reference(settings, PROMPTS)
+        assert expected["alone"] == expected["batched"], name
+        assert all(len(tokens) == NEW_TOKENS for tokens in expected["alone"]), name
+        assert got["outputs"] == expected, name
+
+
+def test_plan_round_trips_through_its_tensors() -> None:
+    from servefleet.engine.attention import AttentionMetadata, PrefillSpan
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([9, 20, 21, 22]),
+        block_size=4,
+        num_decodes=1,
+        decode_block_tables=torch.tensor([[2, 7]], dtype=torch.int32),
+        decode_context_lens=torch.tensor([6], dtype=torch.int32),
+        prefills=[PrefillSpan(1, 4, 0, torch.tensor([5]))],
+    )
+    plan = StepPlan(torch.tensor([3, 4, 5, 6]), torch.tensor([5, 0, 1, 2]), meta, [0, 3])
+    head, payload = encode(plan)
+    back = decode(head, payload, 4, torch.device("cpu"))
+    assert back.ids.tolist() == [3, 4, 5, 6] and back.positions.tolist() == [5, 0, 1, 2]
+    assert back.logit_rows == [0, 3] and back.meta.num_decodes == 1
+    assert back.meta.slot_mapping.tolist() == [9, 20, 21, 22]
+    assert back.meta.decode_block_tables is not None
+    assert back.meta.decode_block_tables.tolist() == [[2, 7]]
+    assert back.meta.decode_block_tables.dtype == torch.int32
+    (span,) = back.meta.prefills
+    assert (span.start, span.end, span.num_cached, span.block_table.tolist()) == (1, 4, 0, [5])
+
+
+def test_packed_slices_keep_blocks_and_refuse_cuts_inside_them() -> None:
+    import numpy as np
+
+    from servefleet.engine.kernels.packed_weights import BlockQuantized, PackedFormat, pack, unpack
+    from servefleet.engine.parallel.packed_slices import packed_columns, packed_rows
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(-127, 128, size=(80, 96), dtype=np.int8)
+    scale = rng.random((80, 3), dtype=np.float32)
+    weight = pack(BlockQuantized(PackedFormat.Q8, q, scale, None))  # W [96, 80]
+    whole = unpack(weight)
+    cols = packed_columns(weight, [(16, 32), (48, 80)])
+    assert cols is not None
+    assert torch.equal(unpack(cols), torch.cat([whole[:, 16:32], whole[:, 48:80]], dim=1))
+    rows = packed_rows(weight, 32, 96)
+    assert rows is not None and torch.equal(unpack(rows), whole[32:96])
+    assert packed_columns(weight, [(8, 24)]) is None  # inside a 16-column group
+    assert packed_rows(weight, 16, 48) is None  # inside a 32-row block
+
+
+def test_shapes_that_do_not_split_are_refused_by_name() -> None:
+    config = ModelConfig(
+        architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=192,
+        num_layers=1, num_heads=9, num_kv_heads=3, head_dim=16,
+    )  # fmt: skip
+    with pytest.raises(
+        ShardingError, match=r"tensor-parallel-size 2 does not divide .*heads \(9\)"
+    ):
+        check_divisible(config, 2)
+    check_divisible(config, 3)
+
+
 @pytest.mark.parametrize(
-    "extra",
+    ("extra", "world", "message"),
     [
-        pytest.param({"matmul": "torch"}, id="float-torch"),
-        pytest.param({"quantization": "int8"}, id="packed-int8-cpu-c"),
+        ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}, 2,
+         "--speculative-config is not supported with --tensor-parallel-size 2"),
+        ({"enable_lora": True}, 2, "--enable-lora is not supported"),
+        ({"pipeline_parallel_size": 2}, 2, "pipeline parallelism is not implemented"),
+        ({}, 3, "needs WORLD_SIZE=2 processes, the environment says WORLD_SIZE=3"),
     ],
-)
-def test_tp2_greedy_equals_tp1(tiny: str, extra: dict[str, Any]) -> None:
-    settings = _settings(tiny, 2, **extra)
-    split = _run_split(settings, PROMPTS)
-    assert split["rank1"] == 0
-    reference = _reference(settings, PROMPTS)
-    assert reference["alone"] == reference["batched"]
-    assert split["outputs"] == reference
-    assert all(len(tokens) == NEW_TOKENS for tokens in reference["alone"])
+)  # fmt: skip
+def test_combinations_that_do_not_split_are_refused_at_start(
+    extra: dict[str, Any], world: int, message: str
+) -> None:
+    config = EngineConfig(**_settings("unused", 2, **extra))
+    place = RankPlace(rank=0, world_size=world, local_rank=0, master_addr="x", master_port=1)
+    with pytest.raises(EngineSettingsError, match=message):
+        check_parallel_settings(config, place)

@@ -112,6 +112,11 @@ def _add_embeddings_route(app: FastAPI, state: ServingState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict[str, Any]:
         body = await parse(request, EmbeddingRequest)
+        if state.engine.runner.world_size > 1:  # one rank's hidden states are not the model's
+            raise OpenAIError(
+                status=400, message="embeddings are not served by a tensor-parallel engine",
+                param="input",
+            )  # fmt: skip
         if admit(state, body.model) is not None:
             raise OpenAIError(
                 status=400, message="model: embeddings come from the base model, not an adapter",
