@@ -91,7 +91,9 @@ def _settings(model: str, tp: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _greedy(built: Any, prompts: list[list[int]], batched: bool) -> list[list[int]]:
+def _greedy(
+    built: Any, prompts: list[list[int]], batched: bool, tokens: int = NEW_TOKENS
+) -> list[list[int]]:
     """Greedy tokens for each prompt, all in one batch or one prompt at a time."""
     from servefleet.engine.sampling_params import SamplingParams
     from servefleet.engine.sequence import Sequence
@@ -103,7 +105,7 @@ def _greedy(built: Any, prompts: list[list[int]], batched: bool) -> list[list[in
         seqs = [
             Sequence(
                 list(p),
-                SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
                 0.0,
             )
             for p in group
@@ -117,14 +119,19 @@ def _greedy(built: Any, prompts: list[list[int]], batched: bool) -> list[list[in
     return outputs
 
 
-def _outputs(settings: dict[str, Any], prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+def _outputs(
+    settings: dict[str, Any], prompts: list[list[int]], tokens: int
+) -> dict[str, list[list[int]]]:
     from servefleet.engine.parallel.setup import leader_group
     from servefleet.engine.process import build_engine, resolve_device
 
     config = EngineConfig(**settings)
     group = leader_group(config, resolve_device("cpu"))
     built = build_engine(config, group=group)
-    result = {"alone": _greedy(built, prompts, False), "batched": _greedy(built, prompts, True)}
+    result = {
+        "alone": _greedy(built, prompts, False, tokens),
+        "batched": _greedy(built, prompts, True, tokens),
+    }
     built.engine.runner.close()
     return result
 
@@ -142,7 +149,7 @@ def _rank_main(
              "MASTER_PORT": str(port)}
         )  # fmt: skip
         if rank == 0:
-            results.put((index, "outputs", _outputs(settings, prompts)))
+            results.put((index, "outputs", _outputs(settings, *prompts)))
             leave_group()
         else:
             results.put((index, f"rank{rank}", run_worker(EngineConfig(**settings))))
@@ -155,14 +162,14 @@ def free_port() -> int:
 
 
 def run_split(
-    runs: list[dict[str, Any]], prompts: list[list[int]], world: int
+    runs: list[dict[str, Any]], prompts: list[list[int]], world: int, tokens: int = NEW_TOKENS
 ) -> list[dict[str, Any]]:
     """Each run's rank-0 outputs and the other ranks' exit statuses, ranks as processes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ports = [free_port() for _ in runs]
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, ports, runs, prompts, results))
+        ctx.Process(target=_rank_main, args=(r, world, ports, runs, (prompts, tokens), results))
         for r in range(world)
     ]
     for p in procs:
@@ -181,11 +188,16 @@ def run_split(
     return got
 
 
-def reference(settings: dict[str, Any], prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+def reference(
+    settings: dict[str, Any], prompts: list[list[int]], tokens: int = NEW_TOKENS
+) -> dict[str, list[list[int]]]:
     from servefleet.engine.process import build_engine
 
     built = build_engine(EngineConfig(**{**settings, "tensor_parallel_size": 1}))
-    return {"alone": _greedy(built, prompts, False), "batched": _greedy(built, prompts, True)}
+    return {
+        "alone": _greedy(built, prompts, False, tokens),
+        "batched": _greedy(built, prompts, True, tokens),
+    }
 
 
 @pytest.fixture(scope="module")
