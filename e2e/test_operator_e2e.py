@@ -254,11 +254,6 @@ INVALID = [
         "exactly one of builtin, pvc, url, huggingface, s3 or oci",
     ),
     ("bad-engine", {"engine": {"kind": "tgi"}}, 'supported values: "servefleet", "vllm", "sglang"'),
-    (
-        "tp-on-servefleet",
-        {"engine": {"tensorParallelSize": 4}},
-        "tensorParallelSize > 1 needs engine.kind vllm or sglang",
-    ),
     ("unknown-field", {"replicaCount": 3}, 'unknown field "spec.replicaCount"'),
     (
         "bad-tenant",

@@ -88,10 +88,6 @@ NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
             },
             "exactly one",
         ),
-        (
-            {"engine": {"tensorParallelSize": 2}},
-            "tensorParallelSize > 1 needs engine.kind vllm or sglang",
-        ),
         ({"engine": {"kind": "vllm"}}, "builtin models run only on engine.kind servefleet"),
         ({"engine": {"kvCacheMemory": "lots"}}, "kvCacheMemory"),
         (
@@ -367,3 +363,9 @@ def test_paths_with_dots_that_do_not_climb_are_fine() -> None:
     source = {"pvc": {"claimName": "c", "path": "models/..hidden/v1..2/./x"}}
     dep = LLMDeployment.model_validate(with_spec(model={"name": "m", "source": source}))
     assert dep.spec.model.source.pvc is not None
+
+
+def test_servefleet_splits_a_replica_over_ranks_without_gpus() -> None:
+    """Our engine's tensor parallelism runs on CPU ranks too (gloo): no GPU bound."""
+    doc = with_spec(engine={"tensorParallelSize": 3})
+    assert LLMDeployment.model_validate(doc).spec.engine.tensor_parallel_size == 3

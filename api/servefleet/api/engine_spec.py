@@ -92,16 +92,12 @@ class EngineSpec(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel_rule(
-                    "self.kind != 'servefleet' || self.tensorParallelSize == 1",
-                    "engine.tensorParallelSize > 1 needs engine.kind vllm or sglang "
-                    "(servefleet runs one GPU per replica)",
-                ),
-                cel_rule(
                     "self.kind != 'servefleet' || self.dtype != 'float16'",
                     "engine.kind servefleet supports dtype auto, float32 or bfloat16",
                 ),
                 cel_rule(
-                    f"self.tensorParallelSize <= 1 || self.tensorParallelSize <= {_CEL_GPUS}",
+                    "self.kind == 'servefleet' || self.tensorParallelSize <= 1 "
+                    f"|| self.tensorParallelSize <= {_CEL_GPUS}",
                     TP_GPUS_MESSAGE,
                 ),
                 cel_rule(
@@ -141,7 +137,8 @@ class EngineSpec(ApiModel):
         default=1,
         ge=1,
         le=64,
-        description="GPUs one replica shards the model over (vllm/sglang only).",
+        description="Processes one replica shards the model over: GPUs for vllm/sglang; "
+        "for servefleet, ranks over torch.distributed (gloo on CPU, NCCL on GPUs).",
     )
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block.")
     kv_cache_memory: int | str | None = Field(
@@ -210,14 +207,9 @@ class EngineSpec(ApiModel):
 
     @model_validator(mode="after")
     def _engine_rules(self) -> EngineSpec:
-        if self.kind == "servefleet" and self.tensor_parallel_size != 1:
-            raise ValueError(
-                "engine.tensorParallelSize > 1 needs engine.kind vllm or sglang "
-                "(servefleet runs one GPU per replica)"
-            )
         if self.kind == "servefleet" and self.dtype == "float16":
             raise ValueError("engine.kind servefleet supports dtype auto, float32 or bfloat16")
-        if self.tensor_parallel_size > max(1, self.resources.gpus()):
+        if self.kind != "servefleet" and self.tensor_parallel_size > max(1, self.resources.gpus()):
             raise ValueError(TP_GPUS_MESSAGE)
         if self.speculative is not None and self.kind == "sglang":
             raise ValueError(SPECULATIVE_KIND_MESSAGE)
