@@ -14,8 +14,9 @@ import openai
 import pytest
 import torch
 
+from servefleet.engine.kv_plan import resolve_kv_cache_dtype
 from servefleet.engine.model.kv_layout import kv_bytes_per_block
-from servefleet.engine.process import BuiltEngine, resolve_kv_cache_dtype
+from servefleet.engine.process import BuiltEngine
 from tests.support.engine_harness import make_engine, running_engine
 from tests.support.http_server import openai_client, serve_in_thread
 
@@ -414,7 +415,7 @@ def test_cli_flags_reach_the_engine_config() -> None:
 
 def test_sliding_window_caps_the_context_length(smollm2) -> None:  # type: ignore[no-untyped-def]
     from servefleet.engine.config import EngineConfig
-    from servefleet.engine.process import serving_context_length
+    from servefleet.engine.kv_plan import serving_context_length
 
     config = EngineConfig(model=MODEL)
     windowed = smollm2.config.model_copy(update={"sliding_window": 1024})

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from servefleet.engine.process import resolve_kv_cache_dtype
+from servefleet.engine.kv_plan import resolve_kv_cache_dtype
 from servefleet.engine.sampling_params import SamplingParams
 from tests.support.engine_harness import generate, generate_all, make_engine, wait_idle
 

@@ -17,11 +17,11 @@ from servefleet.engine.kernels import (
     select_fused_ops,
     select_matmul,
 )
+from servefleet.engine.kv_plan import resolve_kv_cache_dtype
 from servefleet.engine.model.conversion_cache import entry_dir
 from servefleet.engine.model.kv_layout import allocate_kv_cache
 from servefleet.engine.model.llama import LlamaForCausalLM
 from servefleet.engine.model.loader import LoadedModel, load_model, read_checkpoint
-from servefleet.engine.process import resolve_kv_cache_dtype
 from servefleet.text.builtin import resolve_builtin
 
 NEW_TOKENS = 32

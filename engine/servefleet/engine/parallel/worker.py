@@ -11,12 +11,13 @@ import logging
 
 from servefleet.engine.config import EngineConfig, EngineSettingsError
 from servefleet.engine.kernels import KernelUnavailableError
+from servefleet.engine.kv_plan import kv_cache_plan
 from servefleet.engine.model.kv_layout import allocate_kv_storage, layer_views
 from servefleet.engine.parallel.group import GroupLostError, join_group, leave_group
 from servefleet.engine.parallel.runner import follow_plans
 from servefleet.engine.parallel.setup import check_parallel_settings, parallel_device, this_place
 from servefleet.engine.parallel.shard import ShardingError
-from servefleet.engine.process import kv_cache_plan, load_for, resolve_device
+from servefleet.engine.process import load_for, resolve_device
 from servefleet.engine.runner import ModelRunner
 from servefleet.text.builtin import UnknownModelError
 
