@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from servefleet.api.parallel import RankPlace
+from servefleet.api.rank_place import RankPlace
 from servefleet.engine.config import EngineConfig, EngineSettingsError
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.parallel.plan import StepPlan, decode, encode

@@ -17,7 +17,7 @@ from typing import Literal, get_args
 from servefleet.api.kv_cache import KVCacheDtype
 from servefleet.api.load_quantization import LoadQuantization
 from servefleet.api.matmul_dtype import MatmulDtype
-from servefleet.api.parallel import DEFAULT_DIST_TIMEOUT_S
+from servefleet.api.rank_place import DEFAULT_DIST_TIMEOUT_S
 from servefleet.api.step_cost import AUTO_TARGET_FACTOR
 
 API_KEY_ENV = "SERVEFLEET_API_KEY"

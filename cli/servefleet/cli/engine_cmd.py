@@ -19,7 +19,7 @@ from servefleet.api.engine_flags import (
     GROUP_TITLES,
     EngineFlag,
 )
-from servefleet.api.parallel import RANK_ENV
+from servefleet.api.rank_place import RANK_ENV
 from servefleet.cli.listen import bind_listener
 from servefleet.cli.logs import add_logging_arguments, setup_logging
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from servefleet.api.parallel import RankPlace
+from servefleet.api.rank_place import RankPlace
 
 log = logging.getLogger("servefleet.engine.parallel")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from servefleet.api.parallel import RankPlace, rank_place
+from servefleet.api.rank_place import RankPlace, rank_place
 from servefleet.engine.config import EngineConfig, EngineSettingsError
 from servefleet.engine.model.conversion_cache import Checkpoint
 from servefleet.engine.model.loader import LoadedModel

@@ -25,7 +25,7 @@ MASTER_PORT_ENV = "MASTER_PORT"
 """TCP port of the rendezvous on MASTER_ADDR (not the HTTP port)."""
 LOCAL_RANK_ENV = "LOCAL_RANK"
 """Rank among the processes of one machine: picks `cuda:LOCAL_RANK` (default: RANK)."""
-DEFAULT_MASTER_PORT = 29500
+RENDEZVOUS_PORT = 29500
 """torch's own default rendezvous port, used when MASTER_PORT is unset."""
 DEFAULT_DIST_TIMEOUT_S = 60.0
 """Longest one collective waits for a peer before the group is declared lost."""
@@ -62,7 +62,7 @@ def rank_place(env: Mapping[str, str] | None = None) -> RankPlace:
     rank = number(RANK_ENV, 0)
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"{RANK_ENV}={rank} is outside {WORLD_SIZE_ENV}={world}")
-    port = number(MASTER_PORT_ENV, DEFAULT_MASTER_PORT)
+    port = number(MASTER_PORT_ENV, RENDEZVOUS_PORT)
     if not 0 < port < 65536:
         raise ValueError(f"{MASTER_PORT_ENV}={port} is not a TCP port")
     return RankPlace(
