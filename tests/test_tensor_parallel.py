@@ -193,7 +193,8 @@ def reference(
 ) -> dict[str, list[list[int]]]:
     from servefleet.engine.process import build_engine
 
-    built = build_engine(EngineConfig(**{**settings, "tensor_parallel_size": 1}))
+    one = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    built = build_engine(EngineConfig(**{**settings, **one}))
     return {
         "alone": _greedy(built, prompts, False, tokens),
         "batched": _greedy(built, prompts, True, tokens),
@@ -206,13 +207,18 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 RUNS = {
-    "float32, torch matmuls": {"matmul": "torch"},
-    "int8 packed at load, C matmuls, int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "TP=2, float32, torch matmuls": (2, {"matmul": "torch"}),
+    "TP=2, int8 packed at load, C matmuls, int8 KV": (
+        2,
+        {"quantization": "int8", "kv_cache_dtype": "int8"},
+    ),
+    "PP=2 (a layer a stage), C matmuls": (1, {"pipeline_parallel_size": 2}),
 }
 
 
-def test_tp2_greedy_equals_tp1_alone_and_batched(tiny: str) -> None:
-    runs = [_settings(tiny, 2, **extra) for extra in RUNS.values()]
+def test_split_greedy_equals_one_process_alone_and_batched(tiny: str) -> None:
+    """One spawn of two ranks runs every case in turn (a fresh group each)."""
+    runs = [_settings(tiny, tp, **extra) for tp, extra in RUNS.values()]
     split = run_split(runs, PROMPTS, 2)
     for name, settings, got in zip(RUNS, runs, split, strict=True):
         assert got["rank1"] == 0, name
@@ -284,7 +290,9 @@ def test_shapes_that_do_not_split_are_refused_by_name() -> None:
         ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}, 2,
          "--speculative-config is not supported with --tensor-parallel-size 2"),
         ({"enable_lora": True}, 2, "--enable-lora is not supported"),
-        ({"pipeline_parallel_size": 2}, 2, "pipeline parallelism is not implemented"),
+        ({"pipeline_parallel_size": 2}, 4, "one or the other, not both together"),
+        ({"enable_lora": True, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}, 2,
+         "--enable-lora is not supported with --pipeline-parallel-size 2"),
         ({}, 3, "needs WORLD_SIZE=2 processes, the environment says WORLD_SIZE=3"),
     ],
 )  # fmt: skip

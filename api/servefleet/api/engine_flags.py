@@ -323,7 +323,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "pipeline_parallel_size",
         "kernels",
-        "processes one replica's layers are split over (only 1: not implemented yet)",
+        "processes one replica's layers are split over, in consecutive stages (not together "
+        "with --tensor-parallel-size)",
         kind=int,
         default=1,
         minimum=1,

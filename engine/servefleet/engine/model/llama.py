@@ -173,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.lora_kernel: LoraKernel | None = None
         self.reduce: Reduce | None = None  # set_tensor_parallel
         self.vocab_start = 0  # the first token id of this rank's embedding rows
+        self.last_stage = True  # False: a pipeline stage handing its sum to the next
         self.max_positions = max_positions or config.max_position_embeddings
         vocab, hidden = config.vocab_size, config.hidden_size
         self.embed_tokens = _weight(vocab, hidden, factory=factory)
@@ -235,6 +236,13 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.reduce = reduce
 
+    def set_pipeline_stage(self, last: bool) -> None:
+        """Run as one pipeline stage (its layers only, `parallel.stages`); the one-call
+        decode program ends in the final norm, so decode steps take the per-layer path."""
+        self.last_stage = last
+        self.one_call_decode = False
+        self._decode_layers = None
+
     def set_lora_kernel(self, kernel: LoraKernel | None) -> None:
         """Add the step's adapter products through `kernel` (C on CPU, Triton on GPU) where
         it takes the tensors; None keeps the PyTorch path."""
@@ -249,13 +257,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        hidden_in: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions: [T]; returns final-normed hidden states [T, hidden]."""
+        """input_ids/positions: [T]; returns final-normed hidden states [T, hidden].
+        A pipeline stage (`set_pipeline_stage`) after the first starts from `hidden_in`
+        (the previous stage's output); one before the last returns the un-normed sum."""
         if self.rope_cos.shape[0] != self.max_positions or self.rope_cos.dtype != (
             self.embed_tokens.dtype
         ):
             self._build_rope()
-        if self.reduce is None:
+        if hidden_in is not None:
+            hidden = hidden_in
+        elif self.reduce is None:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
             hidden = vocab_parallel_embedding(
@@ -289,11 +302,15 @@ class LlamaForCausalLM(nn.Module):
                 hidden, delta = layer.forward_fused(
                     hidden, delta, positions, rope, kv_cache, meta, ops
                 )
+            if not self.last_stage:
+                return hidden if delta is None else hidden + delta
             return ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)
+        if not self.last_stage:
+            return hidden
         return F.rms_norm(hidden, self.norm.shape, self.norm, self.config.rms_norm_eps)
 
     def _decode_layers_for(

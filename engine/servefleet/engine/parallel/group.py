@@ -46,6 +46,7 @@ class ParallelGroup:
     rank: int
     world_size: int
     device: torch.device
+    pipeline: bool = False  # the ranks are pipeline stages, not tensor shards
     stats: CommStats = field(default_factory=CommStats)
 
     @property
@@ -74,6 +75,14 @@ class ParallelGroup:
             tensor.copy_(moved)
         return tensor
 
+    def point_to_point(self, direction: str, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        """Send `tensor` to rank `peer`, or receive into it from `peer` (pipeline stages)."""
+        if direction == "send":
+            self._run(f"send to {peer}", lambda: dist.send(tensor, peer), tensor)
+        else:
+            self._run(f"recv from {peer}", lambda: dist.recv(tensor, peer), tensor)
+        return tensor
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. KV blocks: every rank holds as many)."""
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
@@ -90,7 +99,9 @@ class ParallelGroup:
         return torch.cat(parts, dim=-1) if parts is not None else None
 
 
-def join_group(place: RankPlace, device: torch.device, timeout_s: float) -> ParallelGroup:
+def join_group(
+    place: RankPlace, device: torch.device, timeout_s: float, pipeline: bool = False
+) -> ParallelGroup:
     """Rendezvous at MASTER_ADDR:MASTER_PORT (rank 0 listens there) and return the group."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     started = time.monotonic()
@@ -110,7 +121,7 @@ def join_group(place: RankPlace, device: torch.device, timeout_s: float) -> Para
         place.master_port,
         time.monotonic() - started,
     )
-    return ParallelGroup(place.rank, place.world_size, device)
+    return ParallelGroup(place.rank, place.world_size, device, pipeline)
 
 
 def leave_group() -> None:

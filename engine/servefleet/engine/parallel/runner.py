@@ -9,12 +9,17 @@ split. The other ranks run `worker.run_worker`'s loop over the same plans.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from servefleet.engine.attention import AttentionMetadata
 from servefleet.engine.parallel.group import ParallelGroup
 from servefleet.engine.parallel.plan import Command, StepPlan, decode, encode, header
+from servefleet.engine.parallel.stages import stage_step
 from servefleet.engine.runner import CausalLM, ModelRunner
+
+StepFn = Callable[[ModelRunner, ParallelGroup, StepPlan], torch.Tensor | None]
 
 
 class ParallelRunner(ModelRunner):
@@ -45,7 +50,7 @@ class ParallelRunner(ModelRunner):
         self.group.broadcast(head)
         self.group.broadcast(payload)
         self.plan_bytes += 8 * (head.numel() + payload.numel())
-        return shard_step(self, self.group, StepPlan(ids, pos, meta, logit_rows))
+        return step_for(self.group)(self, self.group, StepPlan(ids, pos, meta, logit_rows))
 
     def idle(self) -> None:
         self.group.broadcast(header(Command.IDLE))
@@ -68,6 +73,11 @@ def shard_step(runner: ModelRunner, group: ParallelGroup, plan: StepPlan) -> tor
     return None if gathered is None else gathered.cpu()
 
 
+def step_for(group: ParallelGroup) -> StepFn:
+    """How this group splits a step: by pipeline stage or by tensor shard."""
+    return stage_step if group.pipeline else shard_step
+
+
 @torch.inference_mode()
 def follow_plans(runner: ModelRunner, group: ParallelGroup) -> int:
     """A non-zero rank's loop: run every step rank 0 broadcasts until it says stop.
@@ -83,5 +93,5 @@ def follow_plans(runner: ModelRunner, group: ParallelGroup) -> int:
             continue
         payload = torch.empty(int(head[7]), dtype=torch.long)
         group.broadcast(payload)
-        shard_step(runner, group, decode(head, payload, runner.block_size, runner.device))
+        step_for(group)(runner, group, decode(head, payload, runner.block_size, runner.device))
         steps += 1

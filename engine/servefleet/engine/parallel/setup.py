@@ -2,8 +2,8 @@
 
 Refused by name (one line, exit 2), because they would be wrong rather than slow split
 over ranks: speculative decoding (its draft model and verification are one process's),
-LoRA adapters (their low-rank products are not split), pipeline parallelism (not
-implemented), and a WORLD_SIZE that is not the tensor-parallel size. KV-block transfer
+LoRA adapters (their low-rank products are not split), tensor and pipeline parallelism
+together (not implemented), and a WORLD_SIZE other than the ranks the sizes need. KV-block transfer
 and embeddings are turned off rather than refused (their endpoints answer 400): they read
 one process's KV cache or hidden states, which hold only that rank's heads.
 """
@@ -21,6 +21,7 @@ from servefleet.engine.model.conversion_cache import Checkpoint
 from servefleet.engine.model.loader import LoadedModel
 from servefleet.engine.parallel.group import ParallelGroup, join_group
 from servefleet.engine.parallel.shard import shard_checkpoint
+from servefleet.engine.parallel.stages import stage_checkpoint
 
 log = logging.getLogger("servefleet.engine.parallel")
 
@@ -28,25 +29,27 @@ log = logging.getLogger("servefleet.engine.parallel")
 def check_parallel_settings(config: EngineConfig, place: RankPlace) -> None:
     """Refuse what does not combine with a split model (`EngineSettingsError`, one line)."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if pp > 1:
+    if tp > 1 and pp > 1:
         raise EngineSettingsError(
-            f"--pipeline-parallel-size {pp}: pipeline parallelism is not implemented by this "
-            "engine (use --tensor-parallel-size)"
+            f"--tensor-parallel-size {tp} with --pipeline-parallel-size {pp}: one or the "
+            "other, not both together (not implemented)"
         )
-    if place.world_size != tp:
+    if place.world_size != tp * pp:
+        flag = "--pipeline-parallel-size" if pp > 1 else "--tensor-parallel-size"
         raise EngineSettingsError(
-            f"--tensor-parallel-size {tp} needs WORLD_SIZE={tp} processes, "
+            f"{flag} {tp * pp} needs WORLD_SIZE={tp * pp} processes, "
             f"the environment says WORLD_SIZE={place.world_size}"
         )
-    if tp == 1:
+    if tp * pp == 1:
         return
+    size = f"--pipeline-parallel-size {pp}" if pp > 1 else f"--tensor-parallel-size {tp}"
     refused = {
         "--speculative-config": config.speculative_config is not None,
         "--enable-lora": config.enable_lora,
     }
     for flag, asked in refused.items():
         if asked:
-            raise EngineSettingsError(f"{flag} is not supported with --tensor-parallel-size {tp}")
+            raise EngineSettingsError(f"{flag} is not supported with {size}")
 
 
 def parallel_device(device: torch.device, place: RankPlace) -> torch.device:
@@ -59,12 +62,18 @@ def parallel_device(device: torch.device, place: RankPlace) -> torch.device:
 
 
 def attach_group(loaded: LoadedModel, group: ParallelGroup) -> None:
-    """Make the loaded shard a rank of `group`: its partial sums meet in all-reduces."""
+    """Make the loaded share a rank of `group`: a tensor shard's partial sums meet in
+    all-reduces; a pipeline stage hands its output to the next stage."""
+    if group.pipeline:
+        loaded.model.set_pipeline_stage(last=group.rank == group.world_size - 1)
+        return
     loaded.model.set_tensor_parallel(group.all_reduce, group.rank * loaded.config.vocab_size)
 
 
 def shard_for(group: ParallelGroup) -> Callable[[Checkpoint], Checkpoint]:
     """The checkpoint transform giving `group`'s rank its share."""
+    if group.pipeline:
+        return lambda checkpoint: stage_checkpoint(checkpoint, group.rank, group.world_size)
     return lambda checkpoint: shard_checkpoint(checkpoint, group.rank, group.world_size)
 
 
@@ -80,8 +89,14 @@ def leader_group(config: EngineConfig, device: torch.device) -> ParallelGroup | 
     """Rank 0's group when the model is split (None: one process holds it all)."""
     place = this_place()
     check_parallel_settings(config, place)
-    if config.tensor_parallel_size == 1:
+    if place.world_size == 1:
         return None
     if not place.is_leader:
         raise EngineSettingsError(f"rank {place.rank} runs the worker loop, not the server")
-    return join_group(place, parallel_device(device, place), config.dist_timeout)
+    return join_rank(config, place, device)
+
+
+def join_rank(config: EngineConfig, place: RankPlace, device: torch.device) -> ParallelGroup:
+    """Join this replica's group, as tensor shards or as pipeline stages."""
+    pipeline = config.pipeline_parallel_size > 1
+    return join_group(place, parallel_device(device, place), config.dist_timeout, pipeline)

@@ -13,9 +13,9 @@ from servefleet.engine.config import EngineConfig, EngineSettingsError
 from servefleet.engine.kernels import KernelUnavailableError
 from servefleet.engine.kv_plan import kv_cache_plan
 from servefleet.engine.model.kv_layout import allocate_kv_storage, layer_views
-from servefleet.engine.parallel.group import GroupLostError, join_group, leave_group
+from servefleet.engine.parallel.group import GroupLostError, leave_group
 from servefleet.engine.parallel.runner import follow_plans
-from servefleet.engine.parallel.setup import check_parallel_settings, parallel_device, this_place
+from servefleet.engine.parallel.setup import check_parallel_settings, join_rank, this_place
 from servefleet.engine.parallel.shard import ShardingError
 from servefleet.engine.process import load_for, resolve_device
 from servefleet.engine.runner import ModelRunner
@@ -29,8 +29,8 @@ def run_worker(config: EngineConfig) -> int:
     try:
         place = this_place()
         check_parallel_settings(config, place)
-        device = parallel_device(resolve_device(config.device), place)
-        group = join_group(place, device, config.dist_timeout)
+        group = join_rank(config, place, resolve_device(config.device))
+        device = group.device
         if config.threads:
             import torch
 
