@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             s["step_ms"] / o["step_ms"] for s, o in zip(split, one, strict=True)
         ],
         "cores": os.cpu_count(),
-        "note": f"gloo over loopback, {os.cpu_count()} cores, {args.threads} torch thread(s) "
-        "a rank; a shared machine: ratios of one run, not quiet figures",
+        "note": f"gloo over loopback, {os.cpu_count()} cores; TP={args.tp}: {args.threads} torch "
+        f"thread(s) a rank, TP=1: {args.tp * args.threads}; a shared machine: one run's ratios",
     }
     result = save_result(args.out, "tensor_parallel", fields, plot)
     print(json.dumps({k: result[k] for k in ("split_over_one_step_time",)}))
