@@ -266,14 +266,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.dtype
         ):
             self._build_rope()
-        if hidden_in is not None:
-            hidden = hidden_in
-        elif self.reduce is None:
-            hidden = F.embedding(input_ids, self.embed_tokens)
-        else:
-            hidden = vocab_parallel_embedding(
-                input_ids, self.embed_tokens, self.vocab_start, self.reduce
-            )
+        hidden = self._embed(input_ids) if hidden_in is None else hidden_in
         ops = self.fused_ops
         if (
             ops is not None
@@ -302,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden, delta = layer.forward_fused(
                     hidden, delta, positions, rope, kv_cache, meta, ops
                 )
-            if not self.last_stage:
+            if not self.last_stage:  # the next stage adds the pair itself
                 return hidden if delta is None else hidden + delta
             return ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         cos = self.rope_cos[positions].unsqueeze(1)
@@ -312,6 +305,11 @@ class LlamaForCausalLM(nn.Module):
         if not self.last_stage:
             return hidden
         return F.rms_norm(hidden, self.norm.shape, self.norm, self.config.rms_norm_eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.reduce is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_start, self.reduce)
 
     def _decode_layers_for(
         self, ops: CpuFusedOps, kv_caches: list[KVCache], meta: AttentionMetadata, rows: int
