@@ -24,6 +24,7 @@ from servefleet.engine.lora.adapter import LoraAdapter
 from servefleet.engine.lora.usage import AdapterUsage
 from servefleet.engine.metrics import EngineMetrics
 from servefleet.engine.output_processor import OutputProcessor
+from servefleet.engine.parallel.group import GroupLostError
 from servefleet.engine.runner import ModelRunner
 from servefleet.engine.sampler import TokenLogprobs
 from servefleet.engine.sampling_params import SamplingParams
@@ -258,7 +259,10 @@ class Engine:
                     continue
                 self._step()
         except BaseException as exc:  # the loop is dead: fail everything, /health tells
-            log.exception("engine loop died")
+            if isinstance(exc, GroupLostError):  # a peer rank's fault: one line (the caller's)
+                log.debug("engine loop lost its group: %s", exc)
+            else:
+                log.exception("engine loop died")
             self.fatal_error = exc
             self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
 

@@ -329,8 +329,9 @@ def serve(config: EngineConfig, http_server: EngineHttpServer) -> int:
     fatal = built.engine.fatal_error
     if fatal is not None:
         if isinstance(fatal, GroupLostError):
-            log.error("tensor_parallel_group_lost: %s", fatal)
-        log.error("engine loop died, exiting: %r", fatal)
+            log.error("tensor_parallel_group_lost: %s; exiting", fatal)
+        else:
+            log.error("engine loop died, exiting: %r", fatal)
         server.should_exit = True
         http.join(10)
         return 1
