@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -53,10 +54,9 @@ class ParallelGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def _run(self, what: str, call: object, tensor: torch.Tensor) -> None:
+    def _run(self, what: str, call: Callable[[], object], tensor: torch.Tensor) -> None:
         started = time.perf_counter()
         try:
-            assert callable(call)
             call()
         except (RuntimeError, ValueError) as exc:  # gloo and NCCL raise RuntimeError subclasses
             raise GroupLostError(f"rank {self.rank}: {what} failed: {exc}") from exc
@@ -105,13 +105,17 @@ def join_group(
     """Rendezvous at MASTER_ADDR:MASTER_PORT (rank 0 listens there) and return the group."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     started = time.monotonic()
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{place.master_addr}:{place.master_port}",
-        rank=place.rank,
-        world_size=place.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    try:  # the rendezvous waits up to the timeout for every rank to arrive
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{place.master_addr}:{place.master_port}",
+            rank=place.rank,
+            world_size=place.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, ValueError, OSError) as exc:
+        where = f"{place.master_addr}:{place.master_port}"
+        raise GroupLostError(f"rank {place.rank}: rendezvous at {where} failed: {exc}") from exc
     log.info(
         "parallel_group_joined: rank=%d world_size=%d backend=%s master=%s:%d join_s=%.2f",
         place.rank,

@@ -2,22 +2,25 @@
 
 As in vLLM v1 and nano-vllm, only rank 0 schedules, holds block tables and samples. Each
 step it broadcasts the step's plan (`plan`), every rank runs its shard of the model on
-it, and the logits' vocabulary slices are gathered on rank 0, where the counter-based
-sampler picks tokens, so output stays a pure function of (seed, position) whatever the
-split. The other ranks run `worker.run_worker`'s loop over the same plans.
+it (`stages.stage_step` when the ranks are pipeline stages), and the logits' vocabulary
+slices are gathered on rank 0, where the counter-based sampler picks tokens, so output
+stays a pure function of (seed, position) whatever the split. The other ranks run `worker.run_worker`'s loop over the same plans.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from servefleet.engine.attention import AttentionMetadata
-from servefleet.engine.parallel.group import ParallelGroup
+from servefleet.engine.parallel.group import GroupLostError, ParallelGroup
 from servefleet.engine.parallel.plan import Command, StepPlan, decode, encode, header
 from servefleet.engine.parallel.stages import stage_step
 from servefleet.engine.runner import CausalLM, ModelRunner
+
+log = logging.getLogger("servefleet.engine.parallel")
 
 StepFn = Callable[[ModelRunner, ParallelGroup, StepPlan], torch.Tensor | None]
 
@@ -59,7 +62,10 @@ class ParallelRunner(ModelRunner):
         """Tell the other ranks to exit (they leave their loop with status 0)."""
         if not self._closed:
             self._closed = True
-            self.group.broadcast(header(Command.STOP))
+            try:
+                self.group.broadcast(header(Command.STOP))
+            except GroupLostError as exc:  # draining anyway: the others exit on their own
+                log.warning("tensor_parallel_stop_not_sent: %s", exc)
 
 
 def shard_step(runner: ModelRunner, group: ParallelGroup, plan: StepPlan) -> torch.Tensor | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from servefleet.engine.config import EngineConfig, EngineSettingsError
 from servefleet.engine.kernels import KernelUnavailableError
 from servefleet.engine.kv_plan import kv_cache_plan
@@ -32,8 +34,6 @@ def run_worker(config: EngineConfig) -> int:
         group = join_rank(config, place, resolve_device(config.device))
         device = group.device
         if config.threads:
-            import torch
-
             torch.set_num_threads(config.threads)
         loaded = load_for(config, group)
         num_blocks, _, dtype, _ = kv_cache_plan(config, loaded)
