@@ -4,7 +4,8 @@ As in vLLM v1 and nano-vllm, only rank 0 schedules, holds block tables and sampl
 step it broadcasts the step's plan (`plan`), every rank runs its shard of the model on
 it (`stages.stage_step` when the ranks are pipeline stages), and the logits' vocabulary
 slices are gathered on rank 0, where the counter-based sampler picks tokens, so output
-stays a pure function of (seed, position) whatever the split. The other ranks run `worker.run_worker`'s loop over the same plans.
+stays a pure function of (seed, position) whatever the split. The other ranks run
+`worker.run_worker`'s loop over the same plans.
 """
 
 from __future__ import annotations
