@@ -28,7 +28,7 @@ from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_wire import parse_request
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
 from servefleet.gateway.batch_runner import BatchRunner
-from servefleet.gateway.batch_store import BatchStore
+from servefleet.gateway.batch_store import BatchStore, new_batch_id
 from servefleet.gateway.multipart_form import read_form
 from servefleet.gateway.route_table import RouteTable
 
@@ -207,7 +207,7 @@ class BatchApi:
         data = self.store.file_content(tenant, file.id) or b""
         lines, errors = parse_lines(data, request.endpoint)
         batch = Batch(
-            id=self.store.new_batch_id(),
+            id=new_batch_id(),
             endpoint=request.endpoint,
             input_file_id=file.id,
             created_at=now,
