@@ -187,7 +187,7 @@ class BatchRunner:
 
     async def finish(self, batch: Batch) -> None:
         """Write the output and error files from the journal and close the batch."""
-        current = self.store.batch(batch.tenant, batch.id) or batch
+        current = await asyncio.to_thread(self.store.batch, batch.tenant, batch.id) or batch
         now = int(self._clock())
         results = sorted(await asyncio.to_thread(self.store.results, current), key=_index)
         answered_all = len(results) >= current.request_counts.total
