@@ -20,7 +20,7 @@ import pytest
 from servefleet.api.batch_storage import BatchS3Store
 from servefleet.api.batches import Batch, BatchConfig, RequestCounts
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
-from servefleet.bench.processes import serve_in_thread
+from servefleet.bench.processes import free_port, serve_in_thread
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.batch_store import BatchStore, new_batch_id
 from servefleet.gateway.batch_store_folder import FolderBatchStore
@@ -226,3 +226,26 @@ def test_a_batch_runs_on_the_bucket_and_stays_its_tenants(s3: str, tmp_path: Pat
         with pytest.raises(openai.NotFoundError):
             theirs.files.content(done.output_file_id)
     assert not (tmp_path / "tenants").exists()  # nothing went to a folder
+
+
+def test_a_bucket_that_cannot_be_reached_is_a_503_and_the_runner_keeps_polling(
+    s3: str, tmp_path: Path
+) -> None:
+    """The store is down (an endpoint nobody listens on): the API says 503 with Retry-After,
+    never a 500, and the runner's task survives its polls to come back when the bucket does."""
+    dead = BatchS3Store(
+        bucket=BUCKET, endpoint=f"http://127.0.0.1:{free_port()}", region="us-east-1"
+    )
+    config = _config(tmp_path).model_copy(update={"batch": BatchConfig(s3=dead, retry_seconds=0.2)})
+    with ExitStack() as stack:
+        gateway = Gateway(config)
+        base = stack.enter_context(serve_in_thread(gateway))
+        client = openai.OpenAI(base_url=base + "/v1", api_key="key-a", max_retries=0)
+        for call in (client.files.list, client.batches.list):
+            with pytest.raises(openai.InternalServerError) as refused:
+                call()
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["retry-after"] == "5"
+            assert "store_unavailable" in refused.value.response.text
+        runner = gateway._batch_task
+        assert runner is not None and not runner.done(), "the runner died with the bucket"

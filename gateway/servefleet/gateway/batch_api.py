@@ -31,7 +31,7 @@ from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_wire import parse_request
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
 from servefleet.gateway.batch_runner import BatchRunner
-from servefleet.gateway.batch_store import BatchStore, new_batch_id
+from servefleet.gateway.batch_store import BatchStore, StoreUnavailable, new_batch_id
 from servefleet.gateway.multipart_form import read_form
 from servefleet.gateway.route_table import RouteTable
 
@@ -102,6 +102,18 @@ class BatchApi:
 
     async def handle(self, table: RouteTable, scope: Scope, receive: Receive, send: Send) -> None:
         tenant = table.keys.require_tenant(header(scope, b"authorization"))
+        try:
+            await self._route(tenant, scope, receive, send)
+        except StoreUnavailable as exc:
+            raise OpenAIError(
+                status=503,
+                message="The batch store is unavailable; try again shortly.",
+                type="server_error",
+                code="store_unavailable",
+                headers={"retry-after": "5"},
+            ) from exc
+
+    async def _route(self, tenant: str, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
         if path == FILES:
             await self._files(tenant, method, scope, receive, send)

@@ -34,6 +34,11 @@ _ID = re.compile(ID_PATTERN)
 _TENANT = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label, as tenants are
 
 
+class StoreUnavailable(RuntimeError):
+    """The store could not be reached, or failed, for now: the API answers 503 and the runner
+    tries again on its next poll; nothing already stored is touched."""
+
+
 class BatchStore(Protocol):
     """Files and batches of every tenant."""
 

@@ -20,20 +20,40 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from servefleet.api.batch_storage import BatchS3Store
 from servefleet.api.batches import TERMINAL, Batch, FileObject, FilePurpose
-from servefleet.gateway.batch_store import check_tenant, is_id, new_file, newest_first
+from servefleet.gateway.batch_store import (
+    StoreUnavailable,
+    check_tenant,
+    is_id,
+    new_file,
+    newest_first,
+)
 
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
 _READERS = 8  # journal records fetched at once
+_T = TypeVar("_T")
+
+
+def _reached(call: Callable[[], _T]) -> _T:
+    """`call`'s answer; a bucket that cannot be reached, or answers with an error other than
+    a missing key, is `StoreUnavailable` (a 503 to the tenant, never a 500)."""
+    try:
+        return call()
+    except ClientError as exc:
+        if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
+            raise
+        raise StoreUnavailable(f"the batch bucket answered {exc}") from exc
+    except BotoCoreError as exc:
+        raise StoreUnavailable(f"the batch bucket cannot be reached: {exc}") from exc
 
 
 class S3BatchStore:
@@ -148,28 +168,32 @@ class S3BatchStore:
 
     def _put(self, key: str, data: bytes) -> None:
         digest = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
-        self._client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentMD5=digest)
+        _reached(
+            lambda: self._client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, ContentMD5=digest
+            )
+        )
 
     def _get(self, key: str) -> bytes | None:
         try:
-            answer = self._client.get_object(Bucket=self.bucket, Key=key)
+            answer = _reached(lambda: self._client.get_object(Bucket=self.bucket, Key=key))
         except ClientError as exc:
             if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
                 return None
             raise
-        body: bytes = answer["Body"].read()
+        body: bytes = _reached(answer["Body"].read)
         return body
 
     def _delete(self, key: str) -> None:
-        self._client.delete_object(Bucket=self.bucket, Key=key)
+        _reached(lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
 
     def _keys(self, prefix: str, suffix: str, delimiter: str = "/") -> Iterator[str]:
         """Keys right under `prefix` (every key below it without a delimiter)."""
         listing = {"Bucket": self.bucket, "Prefix": prefix}
         if delimiter:
             listing["Delimiter"] = delimiter
-        pages = self._client.get_paginator("list_objects_v2").paginate(**listing)
-        for page in pages:
+        pages = iter(self._client.get_paginator("list_objects_v2").paginate(**listing))
+        while (page := _reached(lambda: next(pages, None))) is not None:
             for item in page.get("Contents", []):
                 if item["Key"].endswith(suffix):
                     yield item["Key"]
