@@ -9,6 +9,7 @@ import pytest
 
 from servefleet.api.parallel import LWS_WORKER_INDEX_LABEL
 from servefleet.kube.resources import DEPLOYMENTS, LEADER_WORKER_SETS
+from servefleet.local.engine_command import LocalModeError, engine_command
 from servefleet.operator import render
 from servefleet.operator.groups import as_deployment_status, leader_worker_set
 from servefleet.operator.pool_cleanup import remove_other_workload
@@ -232,3 +233,27 @@ def test_worker_template_is_the_leaders_but_for_serving() -> None:
     assert leader["volumes"] == worker["volumes"] == template["spec"]["volumes"]
     assert worker["containers"][0]["image"] == leader["containers"][0]["image"]
     assert template["spec"]["containers"][0]["command"][0] == "python3"  # not mutated
+
+
+def test_attack_a_group_gains_nothing_a_single_pod_lacks() -> None:
+    """Who may set tensor/pipelineParallelSize (a namespace team) gets pods exactly as fenced
+    as a one-pod replica's: same securityContext, no API token, no host namespaces, the
+    admin's image policy (a refused image renders nothing), and peers only among its own."""
+    dep = group("vllm", 8, 2, 8)
+    single = render.engine_pod_template(group("vllm", 8, 1, 8), SETTINGS)["spec"]
+    lws = lws_of(dep)
+    for key in ("leaderTemplate", "workerTemplate"):
+        spec = lws["spec"]["leaderWorkerTemplate"][key]["spec"]
+        assert spec["securityContext"] == single["securityContext"]
+        assert spec["automountServiceAccountToken"] is False
+        assert not {"hostNetwork", "hostPID", "hostIPC", "serviceAccountName"} & set(spec)
+        container = spec["containers"][0]
+        assert container["securityContext"] == single["containers"][0]["securityContext"]
+    hostile = group("vllm", 8, 2, 8)
+    hostile.spec.engine.image = "evil.example/miner:1"
+    assert render.refusal(hostile, SETTINGS) is not None
+
+
+def test_local_mode_refuses_a_replica_of_several_ranks() -> None:
+    with pytest.raises(LocalModeError, match="tensorParallelSize x pipelineParallelSize"):
+        engine_command(group("servefleet", 2, 1, 0).spec, "127.0.0.1", 8000)
