@@ -83,15 +83,15 @@ class LwsController:
         self.kube.kubectl("apply", "--server-side", "-f", str(self.manifests / "crd.yaml"))
         self.kube.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}",
                           "--timeout=60s")  # fmt: skip
-        ca = _certificate(self.work_dir / "certs")
+        certs = self.work_dir / "certs"
+        ca = _certificate(certs)
         port, health = free_port(), free_port()
         config = {
             "apiVersion": "config.lws.x-k8s.io/v1alpha1",
             "kind": "Configuration",
             "leaderElection": {"leaderElect": False},
             "internalCertManagement": {"enable": False},
-            "webhook": {"host": "127.0.0.1", "port": port,
-                        "certDir": str(self.work_dir / "certs")},  # fmt: skip
+            "webhook": {"host": "127.0.0.1", "port": port, "certDir": str(certs)},
             "metrics": {"bindAddress": "0"},
             "health": {"healthProbeBindAddress": f"127.0.0.1:{health}"},
         }
