@@ -184,8 +184,6 @@ class Reconciler:
                 return missing
             await self._ensure_engine_key(dep)
             await self._ensure_replicas(dep)
-            if removed := await remove_other_workload(self.client, dep):
-                log.info("%s/%s: removed %s", dep.namespace, dep.name, removed)
         except KubeError as exc:
             return f"preparing {dep.name}: {exc.message}"
         await self._apply_deletion_costs(dep)
@@ -194,6 +192,11 @@ class Reconciler:
                 await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
             except KubeError as exc:
                 return f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
+        try:  # replicas changed between one pod and groups: the new workload is applied
+            if other := await remove_other_workload(self.client, dep):
+                log.info("%s/%s: removed %s", dep.namespace, dep.name, other)
+        except KubeError as exc:
+            return f"removing the old engine workload of {dep.name}: {exc.message}"
         if dep.spec.disaggregation is None and dep.status.prefill is not None:
             try:  # the block was deleted: status still shows the pool that ran
                 removed = await remove_prefill_pool(self.client, dep)
