@@ -71,6 +71,10 @@ def _scale(kube: Kube, ns: str) -> dict[str, Any]:
     return result
 
 
+def _ready(kube: Kube, kind: str, ns: str) -> int:
+    return int(((kube.get(kind, LWS, ns) or {}).get("status") or {}).get("readyReplicas", 0))
+
+
 def _status(kube: Kube, ns: str) -> dict[str, Any]:
     result: dict[str, Any] = (kube.get("llmd", NAME, ns) or {}).get("status", {})
     return result
@@ -103,6 +107,8 @@ def test_a_group_of_two_pods_scales_as_one_replica(
 
     # Readiness is the group's: the leader alone is not a ready replica.
     kube.mark_pods_ready(ns, f"{PODS},{LWS_WORKER_INDEX_LABEL}=0")
+    wait_for("the leader StatefulSet sees its pod ready", lambda: _ready(kube, "statefulset", ns))
+    assert _ready(kube, "leaderworkerset", ns) == 0
     assert _status(kube, ns).get("readyReplicas", 0) == 0
     kube.mark_pods_ready(ns, PODS)
     wait_for("1 group ready", lambda: _status(kube, ns).get("readyReplicas") == 1, timeout=30)
@@ -114,7 +120,7 @@ def test_a_group_of_two_pods_scales_as_one_replica(
     assert scale["spec"]["replicas"] == 2
     kube.mark_pods_ready(ns, PODS)
     wait_for("2 groups ready", lambda: _status(kube, ns).get("readyReplicas") == 2, timeout=30)
-    assert _status(kube, ns)["selector"].endswith(f"{LWS_WORKER_INDEX_LABEL}=0")
+    assert f"{LWS_WORKER_INDEX_LABEL}=0" in _status(kube, ns)["selector"].split(",")
 
     # And back: the whole second group goes, leader and worker.
     kube.kubectl("scale", f"llmd/{NAME}", "-n", ns, "--replicas=1")

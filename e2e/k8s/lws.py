@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from k8s.kubectl import Kube
+from k8s.kubectl import Kube, wait_for
 
 from servefleet.bench.processes import free_port
 
@@ -81,8 +81,9 @@ class LwsController:
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.kube.kubectl("apply", "--server-side", "-f", str(self.manifests / "crd.yaml"))
-        self.kube.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}",
-                          "--timeout=60s")  # fmt: skip
+        established = '{.status.conditions[?(@.type=="Established")].status}'
+        wait_for("the LeaderWorkerSet CRD", lambda: self.kube.kubectl(
+            "get", "crd", CRD_NAME, "-o", f"jsonpath={established}") == "True")  # fmt: skip
         certs = self.work_dir / "certs"
         ca = _certificate(certs)
         port, health = free_port(), free_port()

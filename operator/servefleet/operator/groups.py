@@ -162,6 +162,9 @@ def leader_worker_set(
         "spec": {
             "replicas": replicas,
             "startupPolicy": STARTUP_POLICY,
+            # One headless Service for every group: LWS_LEADER_ADDRESS is
+            # <lws>-<group>.<lws>.<namespace>, resolvable from every rank.
+            "networkConfig": {"subdomainPolicy": "Shared"},
             "rolloutStrategy": {
                 "type": "RollingUpdate",
                 "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1},
