@@ -10,6 +10,7 @@ the group is what is counted ready and what the scale subresource scales.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,12 @@ PODS = f"servefleet.io/llmdeployment={NAME}"
 @pytest.fixture(scope="module")
 def lws_controller(
     kube: Kube, k8s_bin: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LwsController]:
+) -> Iterator[LwsController | None]:
+    if os.environ.get("KUBECONFIG"):  # that cluster's own LWS, installed by its admin
+        if "leaderworkersets" not in kube.kubectl("api-resources", "-o", "name"):
+            pytest.fail("KUBECONFIG's cluster has no LeaderWorkerSet API: install sigs.k8s.io/lws")
+        yield None
+        return
     controller = LwsController(k8s_bin, tmp_path_factory.mktemp("lws"), kube)
     try:
         controller.start()
@@ -81,7 +87,7 @@ def _status(kube: Kube, ns: str) -> dict[str, Any]:
 
 
 def test_a_group_of_two_pods_scales_as_one_replica(
-    kube: Kube, operator: OperatorProcess, lws_controller: LwsController
+    kube: Kube, operator: OperatorProcess, lws_controller: LwsController | None
 ) -> None:
     ns = "e2e-lws-groups"
     kube.create_namespace(ns)
