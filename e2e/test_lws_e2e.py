@@ -21,6 +21,7 @@ from k8s.kubectl import Kube, OperatorProcess, wait_for
 from k8s.lws import LwsController
 
 from servefleet.api.parallel import LWS_WORKER_INDEX_LABEL
+from servefleet.autoscaler.cluster import replica_from_pod
 
 NAME = "grouped"
 LWS = f"{NAME}-engine"
@@ -126,7 +127,11 @@ def test_a_group_of_two_pods_scales_as_one_replica(
     assert scale["spec"]["replicas"] == 2
     kube.mark_pods_ready(ns, PODS)
     wait_for("2 groups ready", lambda: _status(kube, ns).get("readyReplicas") == 2, timeout=30)
-    assert f"{LWS_WORKER_INDEX_LABEL}=0" in _status(kube, ns)["selector"].split(",")
+    selector = _status(kube, ns)["selector"]
+    assert f"{LWS_WORKER_INDEX_LABEL}=0" in selector.split(",")
+    # What the autoscaler observes (pods of status.selector): one replica per group.
+    replicas = [replica_from_pod(p) for p in kube.list("pods", ns, selector)]
+    assert sorted(r.name for r in replicas if r) == [f"{LWS}-0", f"{LWS}-1"]
 
     # And back: the whole second group goes, leader and worker.
     kube.kubectl("scale", f"llmd/{NAME}", "-n", ns, "--replicas=1")
