@@ -21,7 +21,7 @@ from servefleet.kube.resources import (
     SERVICE_MONITORS,
     SERVICES,
 )
-from servefleet.operator.groups import is_group
+from servefleet.operator.groups import is_group, pods_per_replica
 from servefleet.operator.pools import pool_name, prefill_object_name
 
 PREFILL_POOL_KINDS = (DEPLOYMENTS, SERVICES, POD_DISRUPTION_BUDGETS, SERVICE_MONITORS)
@@ -55,3 +55,16 @@ async def remove_other_workload(client: KubeClient, dep: LLMDeployment) -> str |
         return None
     await client.delete(resource, dep.namespace, name)
     return f"{resource.kind} {name}"
+
+
+async def missing_group_api(client: KubeClient, dep: LLMDeployment) -> str | None:
+    """Why replicas of several pods cannot run here (no LeaderWorkerSet API), or None:
+    nothing is applied then, so what runs keeps running."""
+    if not is_group(dep) or await client.has_api(
+        LEADER_WORKER_SETS.api_version, LEADER_WORKER_SETS.plural
+    ):
+        return None
+    return (
+        f"replicas of {pods_per_replica(dep)} pods (engine.tensorParallelSize x "
+        "pipelineParallelSize) need the LeaderWorkerSet API (sigs.k8s.io/lws) installed"
+    )

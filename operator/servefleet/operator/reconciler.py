@@ -31,10 +31,14 @@ from servefleet.kube.resources import (
 )
 from servefleet.operator import render
 from servefleet.operator.adapter_sync import AdapterSync, NamespaceAdapters
-from servefleet.operator.groups import as_deployment_status, is_group, pods_per_replica
+from servefleet.operator.groups import as_deployment_status, is_group
 from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
 from servefleet.operator.policy import default_allowed_images
-from servefleet.operator.pool_cleanup import remove_other_workload, remove_prefill_pool
+from servefleet.operator.pool_cleanup import (
+    missing_group_api,
+    remove_other_workload,
+    remove_prefill_pool,
+)
 from servefleet.operator.pools import prefill_object_name
 from servefleet.operator.status import (
     EventSpec,
@@ -180,7 +184,7 @@ class Reconciler:
             dep, self.render_settings, await self._with_service_monitor(), adapters
         )
         try:
-            if missing := await self._missing_group_api(dep):
+            if missing := await missing_group_api(self.client, dep):
                 return missing
             await self._ensure_engine_key(dep)
             await self._ensure_replicas(dep)
@@ -204,17 +208,6 @@ class Reconciler:
                 return f"removing the prefill pool of {dep.name}: {exc.message}"
             log.info("%s/%s: removed %s", dep.namespace, dep.name, ", ".join(removed) or "nothing")
         return None
-
-    async def _missing_group_api(self, dep: LLMDeployment) -> str | None:
-        """Why replicas of several pods cannot run here (no LeaderWorkerSet API), or None."""
-        if not is_group(dep) or await self.client.has_api(
-            LEADER_WORKER_SETS.api_version, LEADER_WORKER_SETS.plural
-        ):
-            return None
-        return (
-            f"replicas of {pods_per_replica(dep)} pods (engine.tensorParallelSize x "
-            "pipelineParallelSize) need the LeaderWorkerSet API (sigs.k8s.io/lws) installed"
-        )
 
     async def _apply_deletion_costs(self, dep: LLMDeployment) -> None:
         """Copy the autoscaler's ranking (status.podDeletionCosts) onto this deployment's own
