@@ -4,7 +4,8 @@ Ready here, standing in for the kubelet).
 
 An LLMDeployment whose replica spans two pods becomes a LeaderWorkerSet; LWS makes each
 group's leader and worker pods (labelled, and given the rendezvous env, by its webhook);
-the group is what is counted ready and what the scale subresource scales.
+the group is what is counted ready and what the scale subresource scales; its pods pass
+the API server's `restricted` Pod Security admission.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def test_a_group_of_two_pods_scales_as_one_replica(
 ) -> None:
     ns = "e2e-lws-groups"
     kube.create_namespace(ns)
+    # The group's pods, as LWS and its webhook make them, pass the `restricted` standard too.
+    kube.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
     kube.apply_text(_deployment(), ns)
     lws = wait_for("the LeaderWorkerSet", lambda: kube.get("leaderworkerset", LWS, ns))
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
