@@ -206,6 +206,11 @@ def batch_reserve(per_replica_concurrency: int, admission: AdmissionSpec) -> int
 
 # --------------------------------------------------------------------------- spec
 
+GROUP_DISAGGREGATION_MESSAGE = (
+    "spec.disaggregation runs replicas of one pod: it needs engine.pipelineParallelSize 1 "
+    "(and tensorParallelSize 1 for engine.kind servefleet)"
+)
+
 
 class LLMDeploymentSpec(ApiModel):
     """A warm pool of engine replicas serving one model behind the gateway."""
@@ -234,6 +239,11 @@ class LLMDeploymentSpec(ApiModel):
                     LOAD_QUANTIZATION_MESSAGE,
                 ),
                 *transfer_cel_rules(),
+                cel_rule(
+                    "!has(self.disaggregation) || (self.engine.pipelineParallelSize == 1 && "
+                    "(self.engine.kind != 'servefleet' || self.engine.tensorParallelSize == 1))",
+                    GROUP_DISAGGREGATION_MESSAGE,
+                ),
                 cel_rule(COST_BUDGET_CEL, COST_BUDGET_MESSAGE),
             ]
         }
@@ -310,6 +320,12 @@ class LLMDeploymentSpec(ApiModel):
             raise ValueError(LOAD_QUANTIZATION_MESSAGE)
         if refused := transfer_refusal(self.engine.kind, self.disaggregation):
             raise ValueError(refused)
+        engine = self.engine
+        if self.disaggregation is not None and (
+            engine.pipeline_parallel_size != 1
+            or (engine.kind == "servefleet" and engine.tensor_parallel_size != 1)
+        ):
+            raise ValueError(GROUP_DISAGGREGATION_MESSAGE)
         if self.token_prices is None and any(
             t.limits.has_cost_budget
             or (t.model_limits is not None and t.model_limits.has_cost_budget)
