@@ -10,29 +10,11 @@ STAMP := .venv/.servefleet-setup
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
 
-# The Kubernetes binaries (the longest step on a cold machine) build at the lowest CPU priority
-# while the checks run, so they take only cycles the checks leave idle; e2e starts when both end.
-# The e2e LoRA adapters train the same way from the start (log in $(ADAPTERS_LOG)); e2e waits
-# for them. The node's images build so too (as root; log in $(IMAGES_LOG)), and e2e-node,
-# which imports them, waits for that build.
-IMAGES_LOG := $(HOME)/.cache/servefleet/e2e-images.log
-ADAPTERS_LOG := $(HOME)/.cache/servefleet/e2e-adapters.log
+# Every stage, ordered so two cores stay busy (scripts/make-test.sh says how): the checks beside
+# the Kubernetes binaries' build, the LoRA adapters and (as root) the node's images at the
+# lowest CPU priority meanwhile; then e2e, with the node tests beside it at a lower priority.
 test:
-	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory setup system-deps || exit 1; \
-	mkdir -p "$$(dirname $(IMAGES_LOG))"; \
-	nice -n 19 $(MAKE) --no-print-directory e2e-adapters >$(ADAPTERS_LOG) 2>&1 & adapters=$$!; \
-	images=""; \
-	if [ "$$(id -u)" -eq 0 ]; then \
-	  nice -n 19 $(MAKE) --no-print-directory e2e-images >$(IMAGES_LOG) 2>&1 & images=$$!; \
-	fi; \
-	$(MAKE) --no-print-directory -j2 k8s-bins checks && \
-	echo "make test: checks and Kubernetes binaries done after $$(( $$(date +%s) - start ))s" && \
-	{ wait $$adapters || tail -5 $(ADAPTERS_LOG); } && \
-	$(MAKE) --no-print-directory e2e && \
-	{ [ -z "$$images" ] || wait $$images || tail -5 $(IMAGES_LOG); } && \
-	$(MAKE) --no-print-directory e2e-node && \
-	echo "make test: everything passed in $$(( $$(date +%s) - start ))s"
+	@bash scripts/make-test.sh
 
 checks:
 	@$(MAKE) --no-print-directory -j1 setup system-deps lint typecheck unit
@@ -79,9 +61,11 @@ e2e: setup k8s-bins
 e2e-adapters: setup
 	$(UV) run python -m servefleet.bench.make_adapters --memorized 5 --random 0 >/dev/null
 
-# The node's images (e2e/k8s/images.sh), built into buildah's storage only (needs root).
-e2e-images: system-deps
+# The node's images (e2e/k8s/images.sh), built with buildah and imported into the node's
+# cached containerd store (needs root), so the node tests start with them in place.
+e2e-images: setup system-deps
 	bash e2e/k8s/images.sh --build-only
+	cd e2e && $(UV) run python -m k8s.preload
 
 # A real node: the images built from the Dockerfile, pods that run (needs root).
 e2e-node: setup system-deps k8s-bins

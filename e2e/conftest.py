@@ -47,6 +47,13 @@ def k8s_bin() -> Path:
 
 
 @pytest.fixture(scope="session")
+def helm(k8s_bin: Path) -> Path:
+    """The helm binary: $KUBECONFIG's cluster's on the PATH, else ours."""
+    found = shutil.which("helm") if os.environ.get("KUBECONFIG") else None
+    return Path(found) if found else k8s_bin / "helm"
+
+
+@pytest.fixture(scope="session")
 def kube(k8s_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     """Admin access to a real API server (ours, or $KUBECONFIG's)."""
     if os.environ.get("KUBECONFIG"):

@@ -6,8 +6,6 @@ to a real API server is in test_operator_e2e.py.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,12 +23,6 @@ COMPONENTS = ("operator", "gateway", "autoscaler", "redis")
 SMALL_NODE_CPU_MILLICORES = 250
 
 Objects = list[dict[str, Any]]
-
-
-@pytest.fixture(scope="module")
-def helm(k8s_bin: Path) -> Path:
-    found = shutil.which("helm") if os.environ.get("KUBECONFIG") else None
-    return Path(found) if found else k8s_bin / "helm"
 
 
 def run_helm(
@@ -146,6 +138,7 @@ KNOBS: dict[str, Any] = {
     "redis": {"enabled": True, **component_knobs("redis")},
     **{c: component_knobs(c) for c in ("operator", "gateway", "autoscaler")},
 }
+KNOBS["gateway"]["batch"] = {"enabled": True, "persistence": {"enabled": True, "size": "1Gi"}}
 
 
 @pytest.mark.parametrize("component", COMPONENTS)

@@ -254,6 +254,24 @@ INVALID = [
         "exactly one of builtin, pvc, url, huggingface, s3 or oci",
     ),
     ("bad-engine", {"engine": {"kind": "tgi"}}, 'supported values: "servefleet", "vllm", "sglang"'),
+    (
+        "tp-on-servefleet-gpus",
+        {"engine": {"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 4}}}},
+        "servefleet runs one rank per pod",
+    ),
+    (
+        "pp-stage-per-pod",
+        {
+            "model": VLLM_ON_URL,
+            "engine": {
+                "kind": "vllm",
+                "tensorParallelSize": 2,
+                "pipelineParallelSize": 2,
+                "resources": {"limits": {"nvidia.com/gpu": 3}},
+            },
+        },
+        "runs one pipeline stage per pod",
+    ),
     ("unknown-field", {"replicaCount": 3}, 'unknown field "spec.replicaCount"'),
     (
         "bad-tenant",

@@ -17,7 +17,7 @@ from servefleet.bench.soak_up_probe import ENGINE_PREFIX, UP_LABEL
 
 
 def test_a_short_soak_through_servefleet_up_loses_nothing(tmp_path: Path) -> None:
-    options = SoakOptions(minutes=1.25, progress_s=30, out=tmp_path / "soak_up")
+    options = SoakOptions(minutes=0.75, progress_s=15, out=tmp_path / "soak_up")
     report, samples = run_soak(options, tmp_path)
     write(report, samples, options.out)
     shown = report.model_dump_json(indent=1, exclude={"series"})

@@ -88,6 +88,35 @@ NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
             },
             "exactly one",
         ),
+        (
+            {
+                "engine": {
+                    "tensorParallelSize": 2,
+                    "resources": {"limits": {"nvidia.com/gpu": 2}},
+                }
+            },
+            "servefleet runs one rank per pod",
+        ),
+        (
+            {"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 9}},
+            "not both at once",
+        ),
+        (
+            {
+                "model": {"name": "m", "source": {"url": "https://x/m"}},
+                "engine": {
+                    "kind": "vllm",
+                    "tensorParallelSize": 2,
+                    "pipelineParallelSize": 2,
+                    "resources": {"limits": {"nvidia.com/gpu": 3}},
+                },
+            },
+            "runs one pipeline stage per pod",
+        ),
+        (
+            {"engine": {"pipelineParallelSize": 0}},
+            "greater than or equal to 1",
+        ),
         ({"engine": {"kind": "vllm"}}, "builtin models run only on engine.kind servefleet"),
         ({"engine": {"kvCacheMemory": "lots"}}, "kvCacheMemory"),
         (

@@ -24,7 +24,7 @@ from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.batch_demand import OpenWork, due_by_pool, lines_per_second_needed
 from servefleet.gateway.batch_runner import BatchRunner
-from servefleet.gateway.batch_store import BatchStore
+from servefleet.gateway.batch_store_folder import FolderBatchStore
 from tests.test_gateway_batches import MODEL, Rig, _config, _lines, _submit, _wait
 
 
@@ -82,7 +82,7 @@ def test_a_restarted_runner_counts_the_open_batches_before_their_turn(slow_rig: 
     client = slow_rig.client()
     batch = _submit(client, _lines(40))
     published: list[list[OpenWork]] = []
-    store = BatchStore(slow_rig.store / "batches")  # the same store, as after a restart
+    store = FolderBatchStore(slow_rig.store / "batches")  # the same store, as after a restart
 
     async def never(tenant: str, path: str, body: bytes) -> tuple[int, bytes, str]:
         raise AssertionError("noting runs no line")

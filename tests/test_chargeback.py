@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from servefleet.api import chargeback as cb
-from servefleet.api.chargeback_spec import ChargebackSpec, HostedPrices, Prices
+from servefleet.api.chargeback_spec import HostedPrices, Prices
 from servefleet.api.llmdeployment import LLMDeploymentSpec
-from servefleet.api.scaling_prices import ScalingPrices
+from servefleet.api.prices_spec import PricesSpec
 from servefleet.api.usage_report import (
     PLATFORM_ROW,
     TenantTokens,
@@ -20,6 +20,7 @@ from servefleet.api.usage_report import (
     build_report,
     to_csv,
 )
+from servefleet.autoscaler.spec import targets_from_spec
 from servefleet.engine.chargeback import EngineChargeback
 from servefleet.engine.sampling_params import SamplingParams
 from servefleet.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -178,14 +179,64 @@ def test_report_shared_policy_spreads_idle_by_busy_share() -> None:
     assert float(lines[0]["cost"]) == pytest.approx(0.75)
 
 
-def test_prices_fall_back_to_the_autoscalers_and_name_what_is_missing() -> None:
-    scaling = ScalingPrices(replica_hour=2.0, spill_per_million_tokens=5.0)
-    prices = Prices.resolve(None, scaling)
-    assert prices.replica_hour == 2.0 and prices.hosted.output_per_million == 5.0
-    own = ChargebackSpec(replica_hour=1.0)
-    assert Prices.resolve(own, scaling).replica_hour == 1.0
-    with pytest.raises(ValueError, match="replicaHour"):
-        Prices.resolve(ChargebackSpec(), None)
+BASE = {"model": {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}}}
+TABLE = {"inputPerMillion": 0.15, "outputPerMillion": 0.6}
+
+
+def test_one_price_each_in_spec_prices_and_the_old_spellings_map_there() -> None:
+    """spec.prices is the one definition; the report and the autoscaler read it."""
+    spec = LLMDeploymentSpec.model_validate(
+        BASE | {"prices": {"replicaHour": 2.0, "hosted": TABLE}}
+    )
+    prices = Prices.resolve(spec.prices)
+    assert prices.replica_hour == 2.0 and prices.hosted.output_per_million == 0.6
+    assert targets_from_spec(spec).replica_cost_per_hour is None  # rent-or-buy is off
+    on = LLMDeploymentSpec.model_validate(
+        BASE | {"prices": {"replicaHour": 2.0, "hosted": TABLE}, "autoscaling": {"prices": {}}}
+    )
+    assert targets_from_spec(on).replica_cost_per_hour == 2.0
+    assert targets_from_spec(on).spill_cost_per_million_tokens == pytest.approx(0.375)
+    # The deprecated spellings: the autoscaler's blended price, chargeback's own.
+    old = LLMDeploymentSpec.model_validate(
+        BASE | {"autoscaling": {"prices": {"replicaHour": 3.0, "spillPerMillionTokens": 5.0}}}
+    )
+    assert old.prices == PricesSpec(
+        replica_hour=3.0, hosted=HostedPrices(input_per_million=5.0, output_per_million=5.0)
+    )
+    assert targets_from_spec(old).spill_cost_per_million_tokens == 5.0  # as before
+    charged = LLMDeploymentSpec.model_validate(
+        BASE | {"chargeback": {"replicaHour": 2.5, "hosted": TABLE}}
+    )
+    assert Prices.resolve(charged.prices).replica_hour == 2.5
+    with pytest.raises(ValueError, match=r"spec.prices.replicaHour"):
+        Prices.resolve(PricesSpec(hosted=HostedPrices(input_per_million=1, output_per_million=1)))
+    with pytest.raises(ValueError, match=r"spec.prices.hosted"):
+        Prices.resolve(PricesSpec(replica_hour=1.0))
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (
+            {"prices": {"replicaHour": 2.0}, "chargeback": {"replicaHour": 3.0}},
+            "spec.chargeback.replicaHour and spec.prices.replicaHour",
+        ),
+        (
+            {
+                "chargeback": {"hosted": TABLE},
+                "autoscaling": {"prices": {"replicaHour": 1.0, "spillPerMillionTokens": 2.0}},
+            },
+            "spec.autoscaling.prices.spillPerMillionTokens and spec.chargeback.hosted",
+        ),
+        ({"autoscaling": {"prices": {"spillPatience": 2}}}, "set spec.prices.replicaHour"),
+    ],
+    ids=["two-replica-hours", "two-hosted-prices", "rent-or-buy-unpriced"],
+)
+def test_one_price_with_two_values_is_refused_naming_spec_prices(
+    fields: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        LLMDeploymentSpec.model_validate(BASE | fields)
 
 
 def test_the_spec_takes_a_chargeback_block_and_refuses_unknown_fields() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from servefleet.api.engines import ENGINE_ADAPTERS
+from servefleet.kube.resources import LEADER_WORKER_SETS
 from servefleet.operator.policy import default_allowed_images, image_allowed
 from servefleet.operator.pool_cleanup import PREFILL_POOL_KINDS
 
@@ -83,9 +84,10 @@ def test_operator_rbac_deletes_only_a_prefill_pool_and_never_reads_secrets() -> 
     rules = component_rules("operator")
     assert rules
     # The garbage collector removes children; the operator deletes by hand only a removed
-    # prefill pool (spec.disaggregation): its objects, one by one (`pool_cleanup`).
+    # prefill pool (spec.disaggregation): its objects, one by one (`pool_cleanup`), and the
+    # engine workload of the other kind when replicas change between one pod and groups.
     deleting = {res for r in rules if "delete" in r["verbs"] for res in r["resources"]}
-    assert deleting == {p.plural for p in PREFILL_POOL_KINDS}
+    assert deleting == {p.plural for p in PREFILL_POOL_KINDS} | {LEADER_WORKER_SETS.plural}
     assert not any("deletecollection" in r["verbs"] for r in rules)
     # Secrets: only `create` (the engine key, written once); never get/list/watch/patch.
     assert verbs_on(rules, "secrets") == {"create"}

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from servefleet.api import parallel
 from servefleet.api.crd import (
     CRD_NAME,
     CRDS,
@@ -27,6 +28,7 @@ from servefleet.api.crd import (
     crd_yaml,
 )
 from servefleet.api.llmadapter import ADAPTER_SOURCE_MESSAGE
+from servefleet.api.llmdeployment import GROUP_DISAGGREGATION_MESSAGE
 from servefleet.cli import crd_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +168,11 @@ def test_cel_rules_cover_the_pydantic_cross_field_rules() -> None:
         "model.source needs exactly one of builtin, pvc, url, huggingface, s3 or oci",
         "model.cache applies only to the url, huggingface and s3 sources",
         "spillover.tenants must name tenants listed in spec.tenants",
+        parallel.TP_GPUS_MESSAGE,
+        parallel.STAGE_PER_POD_MESSAGE,
+        parallel.OURS_ONE_GPU_MESSAGE,
+        parallel.OURS_TOO_MANY_MESSAGE,
+        GROUP_DISAGGREGATION_MESSAGE,
     ):
         assert expected in messages
 

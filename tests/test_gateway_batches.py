@@ -30,7 +30,7 @@ from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.batch_runner import BatchRunner, is_not_now
-from servefleet.gateway.batch_store import BatchStore
+from servefleet.gateway.batch_store_folder import FolderBatchStore
 
 MODEL = "m"
 
@@ -229,7 +229,7 @@ def test_a_cancelled_batch_stops_and_keeps_its_partial_output(rig: Rig) -> None:
 
 def test_a_restarted_runner_resumes_after_the_journaled_lines(tmp_path: Path) -> None:
     """The journal is the truth: a new runner (a restarted gateway) runs only what it lacks."""
-    store = BatchStore(tmp_path)
+    store = FolderBatchStore(tmp_path)
     from servefleet.api.batches import BatchCreateRequest
     from servefleet.gateway.batch_api import BatchApi
 

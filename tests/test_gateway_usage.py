@@ -24,16 +24,16 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
+from servefleet.api.prices_spec import PricesSpec
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.usage_api import selectors
 
 KEY = "internal-key-0123456789"
 INTERNAL = {"authorization": f"Bearer {KEY}"}
-PRICED = ChargebackSpec(
-    idle=cb.IdlePolicy.PLATFORM,
-    replica_hour=3.6,
-    hosted=HostedPrices(input_per_million=1.0, output_per_million=4.0),
+IDLE = ChargebackSpec(idle=cb.IdlePolicy.PLATFORM)
+PRICED = PricesSpec(
+    replica_hour=3.6, hosted=HostedPrices(input_per_million=1.0, output_per_million=4.0)
 )
 
 
@@ -43,10 +43,12 @@ def _config() -> GatewayConfig:
         tenants=[GatewayTenant(name="a", api_keys=[ApiKeyRef(sha256=hash_api_key("key-a"))])],
         internal_api_key=SecretValueRef(value=KEY),
         deployments=[
-            GatewayDeployment(name="kube", model="m", tenants=access, chargeback=PRICED),
+            GatewayDeployment(
+                name="kube", model="m", tenants=access, chargeback=IDLE, prices=PRICED
+            ),
             GatewayDeployment(
                 name="static", model="m2", endpoints=["http://10.1.2.3:8000"], tenants=access,
-                chargeback=PRICED,
+                chargeback=IDLE, prices=PRICED,
             ),
             GatewayDeployment(name="unpriced", model="m3", tenants=access),
         ],

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds (only when missing) the Kubernetes binaries the e2e tests run against:
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy,
-# kubectl, helm and kube-router (the e2e node's NetworkPolicy firewall), from their Go
-# modules, into ${SERVEFLEET_CACHE_DIR:-~/.cache/servefleet}/k8s/<version>/bin.
+# kubectl, helm, kube-router (the e2e node's NetworkPolicy firewall) and the LeaderWorkerSet
+# controller (sigs.k8s.io/lws: replicas bigger than one pod), from their Go modules, into
+# ${SERVEFLEET_CACHE_DIR:-~/.cache/servefleet}/k8s/<version>/bin; LWS's CRD and webhook
+# manifests, from the same module, beside it in lws/.
 # Prints that bin directory on its last line. Builds run under `nice -n 19`.
 set -euo pipefail
 
@@ -10,6 +12,7 @@ KUBE_VERSION="v1.34.4"
 HELM_VERSION="v3.19.5"
 ETCD_VERSION="v3.6.4"
 KUBE_ROUTER_VERSION="v2.1.0"  # the newest kube-router/v2 the Go module proxy serves
+LWS_VERSION="v0.9.0"  # the newest sigs.k8s.io/lws whose module the Go module proxy serves
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${SERVEFLEET_CACHE_DIR:-$HOME/.cache/servefleet}"
@@ -79,7 +82,19 @@ build_module kube "$kube_ldflags" \
   kubelet=k8s.io/kubernetes/cmd/kubelet \
   kube-proxy=k8s.io/kubernetes/cmd/kube-proxy \
   kubectl=k8s.io/kubernetes/cmd/kubectl
+build_module lws "-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$LWS_VERSION" \
+  lws-controller=sigs.k8s.io/lws/cmd &
+lws_build=$!
 wait "$helm_build"
 wait "$kube_router_build"
+wait "$lws_build"
+lws_manifests="$cache_root/k8s/$KUBE_VERSION/lws"
+if [[ ! -f "$lws_manifests/webhooks.yaml" ]]; then
+  lws_dir="$(cd "$here/lws" && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)"
+  mkdir -p "$lws_manifests"
+  cp "$lws_dir/config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" \
+    "$lws_manifests/crd.yaml"
+  cp "$lws_dir/config/webhook/manifests.yaml" "$lws_manifests/webhooks.yaml"
+fi
 
 echo "$bin"

@@ -9,9 +9,10 @@
 # built again. Prints `role=reference` lines (pause, redis, control-plane, engine).
 #
 # usage: images.sh CONTAINERD_SOCKET
-#        images.sh --build-only    builds into buildah's storage only (no containerd needed):
-#                                  `make test` does this while the checks run, so the node
-#                                  tests only import what is already built.
+#        images.sh --build-only    builds into buildah's storage only (no containerd needed);
+#                                  `make test` runs it, then k8s/preload.py imports into the
+#                                  node's cached store, while the checks run: the node tests
+#                                  find every image in place.
 set -euo pipefail
 
 socket="$1"
@@ -37,11 +38,18 @@ in_containerd() { [[ -z "$build_only" ]] && ctr_ images ls -q | grep -qxF "$1"; 
 
 import_into_containerd() {  # REFERENCE
   [[ -n "$build_only" ]] && return 0
-  local ref="$1" archive
-  archive="$(mktemp "$cache/archive.XXXXXX")"
-  bah push --quiet "$ref" "docker-archive:$archive:$ref" >/dev/null
-  ctr_ images import "$archive" >/dev/null
-  rm -f "$archive"
+  # Through a pipe, not an archive file: the engine image is 4 GB, written and read once less.
+  local ref="$1" fifo importer
+  fifo="$(mktemp -u "$cache/archive.XXXXXX")"
+  mkfifo "$fifo"
+  ctr_ images import "$fifo" >/dev/null & importer=$!
+  if ! bah push --quiet "$ref" "docker-archive:$fifo:$ref" >/dev/null; then
+    kill "$importer" 2>/dev/null || true
+    rm -f "$fifo"
+    return 1
+  fi
+  wait "$importer" || { rm -f "$fifo"; return 1; }
+  rm -f "$fifo"
 }
 
 base_image() {

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from servefleet.api.batch_storage import BatchS3Store
 from servefleet.api.openai_messages import StrictModel
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -195,14 +196,18 @@ def output_line(
 
 class BatchConfig(BaseModel):
     """The gateway's Batch API (`GatewayConfig.batch`); unset: `/v1/files` and `/v1/batches`
-    answer 404 saying the API is not enabled."""
+    answer 404 saying the API is not enabled. Its store is a folder or a bucket, exactly one."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    store_dir: str = Field(
+    store_dir: str | None = Field(
+        default=None,
         min_length=1,
         description="Folder of the files, batches and journals (local mode's state folder, "
         "or a PersistentVolumeClaim mounted into the gateway).",
+    )
+    s3: BatchS3Store | None = Field(
+        default=None, description="An S3-compatible bucket instead of a folder."
     )
     max_file_bytes: int = Field(
         default=100 * 1024 * 1024, gt=0, description="Largest upload accepted."
@@ -217,3 +222,9 @@ class BatchConfig(BaseModel):
     retry_seconds: float = Field(
         default=2.0, gt=0, description="Wait before a line turned away for now is tried again."
     )
+
+    @model_validator(mode="after")
+    def _one_store(self) -> BatchConfig:
+        if (self.store_dir is None) == (self.s3 is None):
+            raise ValueError("batch needs exactly one store: store_dir (a folder) or s3")
+        return self

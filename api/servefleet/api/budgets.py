@@ -4,7 +4,9 @@ tells a client about them (headers, error code, metric) — defined once for eve
 A budget is a cap on a tenant's spend per UTC calendar period: `daily` (00:00 UTC to 00:00
 UTC) or `monthly` (the 1st 00:00 UTC to the next 1st), in `tokens` (prompt + completion) or in
 `cost` (USD, from the deployment's `tokenPrices`). Costs are counted in whole micro-USD
-(rounded up per request) so that every counter is an integer.
+(rounded up per request) so that every counter is an integer. `tokenPrices` is what a tenant
+is charged, set by the team for its tenants; what serving costs the platform (a replica-hour,
+the hosted API's tokens) is another fact, `spec.prices` (`prices_spec`).
 """
 
 from __future__ import annotations

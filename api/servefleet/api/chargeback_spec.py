@@ -1,8 +1,6 @@
-"""`spec.chargeback`: who pays for idle replicas, and the prices the usage report applies.
-
-Prices left out fall back to `spec.autoscaling.prices` (one replica-hour price; one hosted
-price per million tokens for prompt and completion alike), so a deployment priced for the
-autoscaler is priced for chargeback too.
+"""`spec.chargeback`: who pays for idle replicas; the prices the usage report applies are the
+deployment's one definition of them, `spec.prices` (`prices_spec`). `replicaHour` and `hosted`
+here are deprecated spellings of those, mapped there.
 """
 
 from __future__ import annotations
@@ -11,19 +9,9 @@ from pydantic import Field
 
 from servefleet.api.api_model import ApiModel
 from servefleet.api.chargeback import IdlePolicy
-from servefleet.api.scaling_prices import ScalingPrices
+from servefleet.api.prices_spec import HostedPrices, PricesSpec
 
-
-class HostedPrices(ApiModel):
-    """The hosted API's price table (what spilled tokens cost), per million tokens."""
-
-    input_per_million: float = Field(ge=0, description="Price of one million prompt tokens.")
-    output_per_million: float = Field(ge=0, description="Price of one million completion tokens.")
-
-    def cost(self, prompt_tokens: float, completion_tokens: float) -> float:
-        return (
-            prompt_tokens * self.input_per_million + completion_tokens * self.output_per_million
-        ) / 1e6
+__all__ = ["ChargebackSpec", "HostedPrices", "Prices"]
 
 
 class ChargebackSpec(ApiModel):
@@ -37,33 +25,25 @@ class ChargebackSpec(ApiModel):
     replica_hour: float | None = Field(
         default=None,
         gt=0,
-        description="Price of one replica for one hour; unset: autoscaling.prices.replicaHour.",
+        description="Deprecated: spec.prices.replicaHour (mapped there).",
     )
     hosted: HostedPrices | None = Field(
-        default=None,
-        description="The spill-over API's prices; unset: autoscaling.prices.spillPerMillionTokens "
-        "for prompt and completion tokens alike.",
+        default=None, description="Deprecated: spec.prices.hosted (mapped there)."
     )
 
 
 class Prices(ApiModel):
-    """The prices a report applies, resolved from `spec.chargeback` and `spec.autoscaling`."""
+    """The prices a report applies: `spec.prices`, both of them."""
 
     replica_hour: float = Field(ge=0)
     hosted: HostedPrices
 
     @classmethod
-    def resolve(cls, spec: ChargebackSpec | None, scaling: ScalingPrices | None) -> Prices:
-        """Chargeback's own prices first, else the autoscaler's; a price found nowhere is a
-        ValueError naming the field to set."""
-        spec = spec or ChargebackSpec()
-        replica_hour = spec.replica_hour or (scaling.replica_hour if scaling else None)
-        if replica_hour is None:
-            raise ValueError("set spec.chargeback.replicaHour or spec.autoscaling.prices")
-        hosted = spec.hosted
-        if hosted is None:
-            if scaling is None:
-                raise ValueError("set spec.chargeback.hosted or spec.autoscaling.prices")
-            per = scaling.spill_per_million_tokens
-            hosted = HostedPrices(input_per_million=per, output_per_million=per)
-        return cls(replica_hour=replica_hour, hosted=hosted)
+    def resolve(cls, prices: PricesSpec | None) -> Prices:
+        """Both prices of `spec.prices` (the deprecated fields already mapped there by the
+        spec); one missing is a ValueError naming the field to set."""
+        if prices is None or prices.replica_hour is None:
+            raise ValueError("set spec.prices.replicaHour (the report prices replica time)")
+        if prices.hosted is None:
+            raise ValueError("set spec.prices.hosted (the report prices spilled tokens)")
+        return cls(replica_hour=prices.replica_hour, hosted=prices.hosted)

@@ -9,6 +9,16 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from servefleet.api.api_model import QUANTITY, ApiModel, Quantity, SecretKeyRef, cel_rule
 from servefleet.api.lora_spec import LoraSpec
+from servefleet.api.parallel import (
+    MAX_PODS_PER_REPLICA,
+    OURS_ONE_GPU_MESSAGE,
+    OURS_TOO_MANY_MESSAGE,
+    OURS_TP_OR_PP_MESSAGE,
+    STAGE_PER_POD_MESSAGE,
+    TP_GPUS_MESSAGE,
+    group_refusal,
+    pods_per_replica,
+)
 from servefleet.api.quantity import MemorySize, parse_memory_size
 from servefleet.api.speculative_spec import SpeculativeSpec
 
@@ -79,10 +89,7 @@ SPECULATIVE_KIND_MESSAGE = "engine.speculative needs engine.kind servefleet or v
 SPECULATIVE_OURS_MESSAGE = (
     "engine.speculative.minAcceptanceRate is read by engine.kind servefleet only"
 )
-TP_GPUS_MESSAGE = (
-    "engine.tensorParallelSize must not exceed the GPUs of one replica "
-    "(engine.resources.limits['nvidia.com/gpu'])"
-)
+_CEL_RANKS = "self.tensorParallelSize * self.pipelineParallelSize"
 
 
 class EngineSpec(ApiModel):
@@ -95,10 +102,29 @@ class EngineSpec(ApiModel):
                     "self.kind != 'servefleet' || self.dtype != 'float16'",
                     "engine.kind servefleet supports dtype auto, float32 or bfloat16",
                 ),
+                # `parallel.group_refusal`, rule for rule.
                 cel_rule(
-                    "self.kind == 'servefleet' || self.tensorParallelSize <= 1 "
+                    f"self.kind == 'servefleet' || self.tensorParallelSize <= 1 "
                     f"|| self.tensorParallelSize <= {_CEL_GPUS}",
                     TP_GPUS_MESSAGE,
+                ),
+                cel_rule(
+                    f"self.kind == 'servefleet' || {_CEL_RANKS} <= 1 || {_CEL_RANKS} <= "
+                    f"{_CEL_GPUS} || self.tensorParallelSize == {_CEL_GPUS}",
+                    STAGE_PER_POD_MESSAGE,
+                ),
+                cel_rule(
+                    f"self.kind != 'servefleet' || {_CEL_RANKS} <= 1 || {_CEL_GPUS} <= 1",
+                    OURS_ONE_GPU_MESSAGE,
+                ),
+                cel_rule(
+                    "self.kind != 'servefleet' || self.tensorParallelSize == 1 "
+                    "|| self.pipelineParallelSize == 1",
+                    OURS_TP_OR_PP_MESSAGE,
+                ),
+                cel_rule(
+                    f"self.kind != 'servefleet' || {_CEL_RANKS} <= {MAX_PODS_PER_REPLICA}",
+                    OURS_TOO_MANY_MESSAGE,
                 ),
                 cel_rule(
                     "self.kind != 'sglang' || !has(self.speculative)",
@@ -137,8 +163,18 @@ class EngineSpec(ApiModel):
         default=1,
         ge=1,
         le=64,
-        description="Processes one replica shards the model over: GPUs for vllm/sglang; "
-        "for servefleet, ranks over torch.distributed (gloo on CPU, NCCL on GPUs).",
+        description="Ways each layer is sharded (vLLM's --tensor-parallel-size): GPUs of one "
+        "pod for vllm/sglang; for servefleet, ranks over torch.distributed (gloo on CPU, NCCL "
+        "on GPUs), one per pod. See pipelineParallelSize.",
+    )
+    pipeline_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_PODS_PER_REPLICA,
+        description="Pipeline stages (vLLM's --pipeline-parallel-size). When tensorParallelSize "
+        "x pipelineParallelSize exceeds one pod's GPUs, a replica is a group of pods (a "
+        "LeaderWorkerSet): vllm/sglang one stage per pod (tensorParallelSize = the pod's "
+        "GPUs), servefleet one rank per pod.",
     )
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block.")
     kv_cache_memory: int | str | None = Field(
@@ -201,6 +237,12 @@ class EngineSpec(ApiModel):
                 raise ValueError(f"engine.kvCacheMemory: {exc}") from None
         return value
 
+    def pods_per_replica(self) -> int:
+        """Pods one replica spans (`parallel`): more than one makes it a LeaderWorkerSet group."""
+        return pods_per_replica(
+            self.kind, self.tensor_parallel_size, self.pipeline_parallel_size, self.resources.gpus()
+        )
+
     def kv_cache_size(self) -> MemorySize | None:
         """kvCacheMemory read with the engine's own grammar (None: the engine's default)."""
         return None if self.kv_cache_memory is None else parse_memory_size(self.kv_cache_memory)
@@ -209,8 +251,10 @@ class EngineSpec(ApiModel):
     def _engine_rules(self) -> EngineSpec:
         if self.kind == "servefleet" and self.dtype == "float16":
             raise ValueError("engine.kind servefleet supports dtype auto, float32 or bfloat16")
-        if self.kind != "servefleet" and self.tensor_parallel_size > max(1, self.resources.gpus()):
-            raise ValueError(TP_GPUS_MESSAGE)
+        if refused := group_refusal(
+            self.kind, self.tensor_parallel_size, self.pipeline_parallel_size, self.resources.gpus()
+        ):
+            raise ValueError(refused)
         if self.speculative is not None and self.kind == "sglang":
             raise ValueError(SPECULATIVE_KIND_MESSAGE)
         speculative = self.speculative

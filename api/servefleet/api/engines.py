@@ -4,7 +4,8 @@ The operator (pods), local mode (processes) and the autoscaler (scrapes) all rea
 table, so an engine runs with the same flags everywhere and is read by the same metric
 names: image, command, how each spec knob is spelled as a flag, port, probe paths and the
 Prometheus names of queued / running requests and KV-cache use. Beyond one GPU, vLLM and
-SGLang do the tensor parallelism; we only pass the size through.
+SGLang do the tensor and pipeline parallelism; we only pass the sizes through (ours reads
+the same two flags; `servefleet.api.parallel` says how many pods a replica then spans).
 
 Where the weights are differs per environment (a built-in name, a mounted volume, a local
 folder), so callers pass the model path; where the engine listens is passed too (pods
@@ -22,6 +23,7 @@ from servefleet.api.engine_flags import API_KEY_ENV, flag
 from servefleet.api.kv_warm import WARM_START_SECONDS
 from servefleet.api.llmdeployment import VLLM_QUANTIZATIONS, EngineKind, LLMDeploymentSpec
 from servefleet.api.load_quantization import LOAD_QUANTIZATIONS
+from servefleet.api.parallel import PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG
 
 LISTEN_ALL = "0.0.0.0"
 """The host a pod's engine binds: every interface, as probes and the Service reach it."""
@@ -157,7 +159,11 @@ def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) 
     if lora is not None:
         flags.append(flag("enable_lora"))
         flags += _ours(("max_loras", lora.max_loras), ("max_lora_rank", lora.max_lora_rank))
-    return flags + _ours(("max_model_len", engine.max_model_len))
+    flags += _ours(("max_model_len", engine.max_model_len))
+    tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
+    if tp * pp > 1:  # one rank per process; ranks meet through torch's env (`rank_place`)
+        flags += _ours(("tensor_parallel_size", tp), ("pipeline_parallel_size", pp))
+    return flags
 
 
 def _ours(*knobs: tuple[str, object | None]) -> list[str]:
@@ -215,7 +221,9 @@ def _vllm_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> lis
     engine = spec.engine
     kv = engine.kv_cache_size()
     flags = _common("--model", spec, model, listen)
-    flags += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    flags += [TENSOR_PARALLEL_FLAG, str(engine.tensor_parallel_size)]
+    if engine.pipeline_parallel_size > 1:
+        flags += [PIPELINE_PARALLEL_FLAG, str(engine.pipeline_parallel_size)]
     flags += ["--block-size", str(engine.block_size), "--dtype", engine.dtype]
     flags += _when_set(
         ("--gpu-memory-utilization", kv and kv.fraction),
@@ -237,6 +245,8 @@ def _sglang_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) -> l
     kv = engine.kv_cache_size()
     flags = _common("--model-path", spec, model, listen)
     flags += ["--tp-size", str(engine.tensor_parallel_size)]
+    if engine.pipeline_parallel_size > 1:
+        flags += ["--pp-size", str(engine.pipeline_parallel_size)]
     flags += ["--page-size", str(engine.block_size), "--dtype", engine.dtype, "--enable-metrics"]
     flags += _when_set(
         ("--mem-fraction-static", kv and kv.fraction),  # SGLang takes no size in bytes

@@ -28,8 +28,8 @@ from servefleet.api.llmdeployment import (
     TenantLimits,
 )
 from servefleet.api.lora import ADAPTER_NAME
+from servefleet.api.prices_spec import PricesSpec
 from servefleet.api.replica_endpoints import parse_networks, replica_endpoint_problem
-from servefleet.api.scaling_prices import ScalingPrices
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
 
@@ -268,11 +268,11 @@ class GatewayDeployment(ConfigModel):
     )
     chargeback: ChargebackSpec | None = Field(
         default=None,
-        description="The deployment's spec.chargeback: idle policy and prices of its usage "
-        "report (GET /internal/usage).",
+        description="The deployment's spec.chargeback: idle policy of its usage report "
+        "(GET /internal/usage).",
     )
-    scaling_prices: ScalingPrices | None = Field(
-        default=None, description="spec.autoscaling.prices: the report's fallback prices."
+    prices: PricesSpec | None = Field(
+        default=None, description="spec.prices (deprecated spellings mapped): the report's."
     )
     prefill: PrefillRouting | None = Field(
         default=None,

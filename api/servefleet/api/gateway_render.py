@@ -143,7 +143,7 @@ def render_gateway_config(
                 token_prices=dep.spec.token_prices,
                 engine_api_key=_secret_value(key_source, engine_key_ref),
                 chargeback=dep.spec.chargeback,
-                scaling_prices=dep.spec.autoscaling.prices,
+                prices=dep.spec.prices,
                 prefill=_prefill_routing(
                     dep,
                     (prefill_services or {}).get(dep.name),

@@ -39,7 +39,8 @@ from servefleet.api.model_source import (
     cache_rule,
     check_cache,
 )
-from servefleet.api.scaling_prices import ScalingPrices
+from servefleet.api.prices_spec import HostedPrices, PricesSpec, merged
+from servefleet.api.scaling_prices import RENT_OR_BUY_MESSAGE, ScalingPrices
 from servefleet.api.scheduling import SchedulingSpec
 from servefleet.api.traffic import (
     SpilloverSpec,
@@ -168,7 +169,8 @@ class AutoscalingSpec(ApiModel):
     interval: float = Field(default=5.0, gt=0, description="Seconds between autoscaling decisions.")
     prices: ScalingPrices | None = Field(
         default=None,
-        description="Replica and hosted-API prices: spill-over is weighed against new replicas.",
+        description="Rent-or-buy, on when set: spill-over is weighed against new replicas at "
+        "spec.prices (both needed).",
     )
 
 
@@ -204,6 +206,11 @@ def batch_reserve(per_replica_concurrency: int, admission: AdmissionSpec) -> int
 
 # --------------------------------------------------------------------------- spec
 
+GROUP_DISAGGREGATION_MESSAGE = (
+    "spec.disaggregation runs replicas of one pod: it needs engine.pipelineParallelSize 1 "
+    "(and tensorParallelSize 1 for engine.kind servefleet)"
+)
+
 
 class LLMDeploymentSpec(ApiModel):
     """A warm pool of engine replicas serving one model behind the gateway."""
@@ -232,6 +239,11 @@ class LLMDeploymentSpec(ApiModel):
                     LOAD_QUANTIZATION_MESSAGE,
                 ),
                 *transfer_cel_rules(),
+                cel_rule(
+                    "!has(self.disaggregation) || (self.engine.pipelineParallelSize == 1 && "
+                    "(self.engine.kind != 'servefleet' || self.engine.tensorParallelSize == 1))",
+                    GROUP_DISAGGREGATION_MESSAGE,
+                ),
                 cel_rule(COST_BUDGET_CEL, COST_BUDGET_MESSAGE),
             ]
         }
@@ -264,8 +276,14 @@ class LLMDeploymentSpec(ApiModel):
     spillover: SpilloverSpec | None = Field(default=None, description="Overflow to a hosted API.")
     chargeback: ChargebackSpec | None = Field(
         default=None,
-        description="Who pays for idle replicas and the prices of the usage report "
-        "(`servefleet usage`); unset: idle is the platform's, prices from autoscaling.prices.",
+        description="Who pays for idle replicas in the usage report (`servefleet usage`, "
+        "priced by spec.prices); unset: idle is the platform's.",
+    )
+    prices: PricesSpec | None = Field(
+        default=None,
+        description="What a replica-hour and the hosted API's tokens cost (one currency): the "
+        "one definition the autoscaler's rent-or-buy and the usage report read. Not "
+        "tokenPrices (what tenants are charged).",
     )
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec, description="Where engine pods run."
@@ -302,12 +320,39 @@ class LLMDeploymentSpec(ApiModel):
             raise ValueError(LOAD_QUANTIZATION_MESSAGE)
         if refused := transfer_refusal(self.engine.kind, self.disaggregation):
             raise ValueError(refused)
+        engine = self.engine
+        if self.disaggregation is not None and (
+            engine.pipeline_parallel_size != 1
+            or (engine.kind == "servefleet" and engine.tensor_parallel_size != 1)
+        ):
+            raise ValueError(GROUP_DISAGGREGATION_MESSAGE)
         if self.token_prices is None and any(
             t.limits.has_cost_budget
             or (t.model_limits is not None and t.model_limits.has_cost_budget)
             for t in self.tenants
         ):
             raise ValueError(COST_BUDGET_MESSAGE)
+        return self
+
+    @model_validator(mode="after")
+    def _one_price_each(self) -> LLMDeploymentSpec:
+        """spec.prices, with the deprecated spellings of its prices mapped in."""
+        scaling, charge = self.autoscaling.prices, self.chargeback
+        spill = scaling.spill_per_million_tokens if scaling else None
+        flat = HostedPrices(input_per_million=spill, output_per_million=spill) if spill else None
+        self.prices = merged(
+            self.prices,
+            [
+                ("spec.chargeback.replicaHour", charge.replica_hour if charge else None),
+                ("spec.chargeback.hosted", charge.hosted if charge else None),
+                ("spec.autoscaling.prices.replicaHour", scaling.replica_hour if scaling else None),
+                ("spec.autoscaling.prices.spillPerMillionTokens", flat),
+            ],
+        )
+        if scaling is not None and (
+            self.prices is None or self.prices.replica_hour is None or self.prices.hosted is None
+        ):
+            raise ValueError(RENT_OR_BUY_MESSAGE)
         return self
 
     def desired_replicas(self) -> int:

@@ -15,18 +15,16 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-RANK_ENV = "RANK"
-"""This process's rank in the replica's group, 0..WORLD_SIZE-1 (0: the HTTP leader)."""
-WORLD_SIZE_ENV = "WORLD_SIZE"
-"""Processes in the replica's group: tensor-parallel size × pipeline-parallel size."""
-MASTER_ADDR_ENV = "MASTER_ADDR"
-"""Host rank 0 is reached at for the rendezvous (a LeaderWorkerSet: the leader's address)."""
-MASTER_PORT_ENV = "MASTER_PORT"
-"""TCP port of the rendezvous on MASTER_ADDR (not the HTTP port)."""
+from servefleet.api.parallel import (  # the names LeaderWorkerSet pods are rendered with
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    RANK_ENV,
+    RENDEZVOUS_PORT,
+    WORLD_SIZE_ENV,
+)
+
 LOCAL_RANK_ENV = "LOCAL_RANK"
 """Rank among the processes of one machine: picks `cuda:LOCAL_RANK` (default: RANK)."""
-RENDEZVOUS_PORT = 29500
-"""torch's own default rendezvous port, used when MASTER_PORT is unset."""
 DEFAULT_DIST_TIMEOUT_S = 60.0
 """Longest one collective waits for a peer before the group is declared lost."""
 

@@ -1,7 +1,9 @@
-"""`spec.autoscaling.prices`: what a replica and the hosted API cost, for rent-or-buy.
+"""`spec.autoscaling.prices`: rent-or-buy, on when set.
 
-With both prices the autoscaler weighs spill-over against starting replicas: a spike shorter
-than a cold start is cheaper on the hosted API than on replicas that arrive too late. The
+The autoscaler then weighs spill-over against starting replicas: a spike shorter than a cold
+start is cheaper on the hosted API than on replicas that arrive too late. The prices it weighs
+are the deployment's one definition of them, `spec.prices` (`prices_spec`); `replicaHour`
+and `spillPerMillionTokens` here are deprecated spellings of those, mapped there. The
 simulator (`servefleet sim`) prices its frontier with the same two numbers, so what it
 recommends is what the running policy does.
 """
@@ -12,14 +14,23 @@ from pydantic import Field
 
 from servefleet.api.api_model import ApiModel
 
+RENT_OR_BUY_MESSAGE = (
+    "spec.autoscaling.prices (rent-or-buy) weighs spec.prices: set spec.prices.replicaHour "
+    "and spec.prices.hosted"
+)
+
 
 class ScalingPrices(ApiModel):
-    """Prices in one currency; only their ratio matters to the policy."""
+    """Rent-or-buy's knob; the prices it weighs (only their ratio matters) are spec.prices."""
 
-    replica_hour: float = Field(gt=0, description="Price of one engine replica for one hour.")
-    spill_per_million_tokens: float = Field(
+    replica_hour: float | None = Field(
+        default=None, gt=0, description="Deprecated: spec.prices.replicaHour (mapped there)."
+    )
+    spill_per_million_tokens: float | None = Field(
+        default=None,
         gt=0,
-        description="Hosted-API price of one million spilled tokens (prompt + completion).",
+        description="Deprecated: spec.prices.hosted (mapped there as the price of prompt and "
+        "completion tokens alike).",
     )
     spill_patience: float = Field(
         default=1.0,

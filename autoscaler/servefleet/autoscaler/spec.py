@@ -13,7 +13,11 @@ DEFAULT_COLD_START_S = 30.0
 def targets_from_spec(
     spec: LLMDeploymentSpec, cold_start_s: float = DEFAULT_COLD_START_S
 ) -> ScalingTargets:
-    prices = spec.autoscaling.prices
+    # Rent-or-buy is on with autoscaling.prices; the prices are spec.prices (the spec holds
+    # both when it is on), the hosted table's mean for a spilled token of either kind.
+    rent_or_buy = spec.autoscaling.prices
+    prices = spec.prices if rent_or_buy else None
+    hosted = prices.hosted if prices else None
     return ScalingTargets(
         min_replicas=spec.pool.min_replicas,
         max_replicas=spec.pool.max_replicas,
@@ -24,8 +28,8 @@ def targets_from_spec(
         ttft_target_s=spec.autoscaling.ttft_target,
         default_cold_start_s=cold_start_s,
         replica_cost_per_hour=prices.replica_hour if prices else None,
-        spill_cost_per_million_tokens=prices.spill_per_million_tokens if prices else None,
-        spill_patience=prices.spill_patience if prices else 1.0,
+        spill_cost_per_million_tokens=hosted.per_million_tokens() if hosted else None,
+        spill_patience=rent_or_buy.spill_patience if rent_or_buy else 1.0,
     )
 
 

@@ -82,6 +82,7 @@ _LOCAL = (
     local.local_huge_head,
     local.local_engine_bypass,
     local.local_batch_snooping,
+    local.local_batch_flood,
 )
 ATTACKS: dict[str, Attack] = {
     a.name: a for a in [Attack("stack", f) for f in _STACK] + [Attack("local", f) for f in _LOCAL]

@@ -14,11 +14,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 
-from servefleet.bench.attack_common import AttackResult
+from servefleet.bench.attack_common import VICTIM_CLIENTS, AttackResult
 from servefleet.bench.attack_sockets import huge_head, slowloris
 from servefleet.bench.fault_stack import MODEL, Part, StackError, api_key
 from servefleet.bench.processes import free_port, servefleet_command
@@ -28,6 +29,9 @@ LOCAL_VICTIM = "beta"
 SLOWLORIS_CONNECTIONS = 30
 HEAD_CUT_BOUND_S = 25.0  # the head deadline (10 s) plus slack on a loaded machine
 HUGE_HEAD_BYTES = 100 * 2**20
+FLOOD_LINES = 2000  # lines of each hostile batch
+FLOOD_BATCHES = 5
+FLOOD_S = 10.0  # the flood runs this long while the victim is timed, then is cancelled
 
 MANIFEST = f"""
 apiVersion: servefleet.io/v1alpha1
@@ -37,6 +41,8 @@ spec:
   model: {{name: {MODEL}, source: {{builtin: {MODEL}}}}}
   engine: {{maxNumSeqs: 4, args: ["--threads", "1", "--kv-cache-memory", "128MiB"]}}
   pool: {{minReplicas: 1, maxReplicas: 1, perReplicaConcurrency: 4}}
+  # As many slots as the victim has live clients stay free of batch lines (gateway README).
+  admission: {{interactiveReservedSlots: {VICTIM_CLIENTS}}}
   autoscaling: {{enabled: false}}
   tenants:
     - {{name: {LOCAL_ATTACKER}, apiKeySecretRef: {{name: keys, key: {LOCAL_ATTACKER}}}}}
@@ -210,3 +216,43 @@ def local_batch_snooping(up: LocalUp, result: AttackResult) -> None:
     result.require(status == "completed", f"the victim's batch ended {status!r}")
     result.require(kept.status_code == 200, "the victim's file is gone")
     result.outcome = "404 on every id of another tenant; 400 on reuse; the victim's batch completed"
+
+
+def _chat_line(custom_id: str) -> dict[str, object]:
+    body = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Count."}]}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def local_batch_flood(up: LocalUp, result: AttackResult) -> None:
+    """servefleet up: a tenant floods the Batch API with 5 batches of 2,000 lines each.
+
+    Lines run as the batch class: they take only the slots interactive requests leave, so
+    the victim's chats keep their latency; the flood is cancelled at the end."""
+    mine = {"authorization": f"Bearer {api_key(LOCAL_ATTACKER)}"}
+    data = b"".join(json.dumps(_chat_line(f"f{i}")).encode() + b"\n" for i in range(FLOOD_LINES))
+    with httpx.Client(base_url=up.url, headers=mine, timeout=60) as http:
+        upload = {"file": ("flood.jsonl", data)}
+        file_id = http.post("/v1/files", files=upload, data={"purpose": "batch"}).json()["id"]
+        create = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
+        create["completion_window"] = "24h"
+        ids = [http.post("/v1/batches", json=create).json()["id"] for _ in range(FLOOD_BATCHES)]
+        time.sleep(FLOOD_S)
+        for batch_id in ids:
+            http.post(f"/v1/batches/{batch_id}/cancel")
+        deadline = time.monotonic() + 60
+        ended: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            ended = [http.get(f"/v1/batches/{b}").json() for b in ids]
+            if all(b["status"] == "cancelled" for b in ended):
+                break
+            time.sleep(0.5)
+    answered = sum(int(b["request_counts"]["completed"]) for b in ended)
+    statuses = sorted({str(b["status"]) for b in ended})
+    result.figures.update({"batches": len(ids), "lines_answered": answered, "ended": statuses})
+    result.require(len(ids) == FLOOD_BATCHES, f"batches accepted: {len(ids)}")
+    result.require(answered > 0, "the flood ran no line: the victim was not tested against it")
+    result.require(statuses == ["cancelled"], f"the flood's batches ended {statuses}")
+    result.outcome = (
+        f"{FLOOD_BATCHES} x {FLOOD_LINES} lines accepted; {answered} answered as the batch "
+        f"class in {FLOOD_S:.0f} s, then cancelled"
+    )

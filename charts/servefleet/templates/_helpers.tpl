@@ -133,6 +133,24 @@ would allow N times every limit: refuse that rather than render it.
 {{- end -}}
 {{- end -}}
 
+{{- /*
+The Batch API: one store (a folder, on a PVC or an emptyDir, or a bucket), and one gateway
+replica, since every replica's batch runner would run each open batch's lines.
+*/ -}}
+{{- define "servefleet.checkGatewayBatch" -}}
+{{- $batch := .Values.gateway.batch -}}
+{{- if $batch.enabled -}}
+{{- if and $batch.s3.bucket $batch.persistence.enabled -}}
+{{- fail "gateway.batch: set s3.bucket or persistence.enabled, not both (one store)" -}}
+{{- end -}}
+{{- if gt (int .Values.gateway.replicas) 1 -}}
+{{- fail (printf "gateway.batch.enabled with gateway.replicas=%v: every replica's batch runner would run each open batch's lines; serve the Batch API from one replica" .Values.gateway.replicas) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "servefleet.batchDir" -}}/var/lib/servefleet/batches{{- end -}}
+
 {{- /* The gateway's base config file; its checksum rolls the gateway pods when it changes. */ -}}
 {{- define "servefleet.gatewayConfig" -}}
 {{- /* Deployments and tenants come from the route ConfigMaps the operator renders
@@ -150,6 +168,23 @@ would allow N times every limit: refuse that rather than render it.
 {{- end }}
 {{- with .Values.gateway.usagePrometheusURL }}
 {{- $_ := set $config "usage_prometheus_url" . }}
+{{- end }}
+{{- with .Values.gateway.batch }}
+{{- if .enabled }}
+{{- $batch := dict "max_file_bytes" (int64 .maxFileBytes) }}
+{{- if .s3.bucket }}
+{{- $s3 := dict "bucket" .s3.bucket }}
+{{- range $key := list "endpoint" "region" "prefix" }}
+{{- with index $.Values.gateway.batch.s3 $key }}
+{{- $_ := set $s3 $key . }}
+{{- end }}
+{{- end }}
+{{- $_ := set $batch "s3" $s3 }}
+{{- else }}
+{{- $_ := set $batch "store_dir" (include "servefleet.batchDir" $) }}
+{{- end }}
+{{- $_ := set $config "batch" $batch }}
+{{- end }}
 {{- end }}
 {{- toYaml (mergeOverwrite $config (deepCopy .Values.gateway.config)) }}
 {{- end -}}

@@ -31,7 +31,8 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 # Children, written by server-side apply (create + patch); the garbage collector removes
 # them through their owner references when the LLMDeployment goes. Deleted by hand only:
 # the prefill pool's Deployment, Service, PodDisruptionBudget and ServiceMonitor when
-# spec.disaggregation is removed (read first, deleted only when this LLMDeployment owns them).
+# spec.disaggregation is removed (read first, deleted only when this LLMDeployment owns them),
+# and the engine Deployment when replicas become groups of pods (a LeaderWorkerSet).
 - apiGroups: [""]
   resources: [configmaps, services]
   verbs: [create, patch]
@@ -64,6 +65,13 @@ each watched namespace, the default) or cluster-wide (rbac.clusterWide). Each ru
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
+# Replicas bigger than one pod: the engine workload is a LeaderWorkerSet
+# (sigs.k8s.io/lws, installed by the admin): applied and read for status like the
+# Deployment, deleted when replicas go back to one pod (only when this LLMDeployment owns
+# it). Its pods are made by the LWS controller, under the LWS controller's own RBAC.
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, delete]
 # Engine pods: listed for ModelLoading and scale-downs; patched with the autoscaler's
 # pod-deletion-cost ranking (status.podDeletionCosts), so the autoscaler writes no pod.
 # It adds nothing the operator lacks: it may already create Deployments.

@@ -1,8 +1,8 @@
 """`servefleet usage`: the chargeback report per tenant for a period, as JSON or CSV.
 
 Reads counter increases from Prometheus (`servefleet.api.usage_query`, which says why) and
-applies one LLMDeployment's idle policy and prices (`spec.chargeback`, falling back to
-`spec.autoscaling.prices`). The platform team runs it: Prometheus names every tenant.
+applies one LLMDeployment's idle policy (`spec.chargeback`) and prices (`spec.prices`).
+ The platform team runs it: Prometheus names every tenant.
 
     servefleet usage --prometheus http://prometheus:9090 -f deployment.yaml \
         --from 2026-11-01T00:00:00Z --to 2026-12-01T00:00:00Z --format csv
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         end = parse_time(args.end) if args.end else time.time()
         start = parse_time(args.start) if args.start else end - 86400
-        prices = Prices.resolve(spec.chargeback, spec.autoscaling.prices)
+        prices = Prices.resolve(spec.prices)
         query = prometheus_query(args.prometheus, args.timeout)
         inputs = usage_inputs(query, start, end, args.engine_selector, args.gateway_selector)
     except (ValueError, RuntimeError) as exc:

@@ -14,7 +14,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from pathlib import Path
 
 from servefleet.api.gateway_config import GatewayConfig
 from servefleet.api.gateway_stats import DeploymentStats
@@ -31,7 +30,7 @@ from servefleet.gateway.batch_api import BatchApi, is_batch_path
 from servefleet.gateway.batch_calls import call_in_process
 from servefleet.gateway.batch_demand import OpenWork, due_by_pool
 from servefleet.gateway.batch_runner import BatchRunner
-from servefleet.gateway.batch_store import BatchStore
+from servefleet.gateway.batch_stores import open_store
 from servefleet.gateway.completion import CompletionHandler
 from servefleet.gateway.endpoints import ENDPOINTS, model_card_body, tenant_document
 from servefleet.gateway.errors import method_not_allowed
@@ -136,7 +135,7 @@ class Gateway:
         route table current when each line starts."""
         if config.batch is None:
             return None
-        store = BatchStore(Path(config.batch.store_dir))
+        store = open_store(config.batch)
 
         def complete(scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
             endpoint = ENDPOINTS[scope["path"]]

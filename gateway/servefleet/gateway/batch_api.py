@@ -2,7 +2,9 @@
 
 Every call needs the tenant's key and sees only that tenant's files and batches: another
 tenant's id answers 404, exactly as an id that does not exist. Query parameters other than
-the ones listed per path are refused with a 400 that names them.
+the ones listed per path are refused with a 400 that names them. The store is read and
+written off the event loop (a bucket is a network call), so interactive requests never wait
+on it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from servefleet.api.batches import (
     Batch,
     BatchCreateRequest,
     BatchErrors,
+    BatchLine,
     RequestCounts,
     parse_lines,
 )
@@ -28,7 +31,7 @@ from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_wire import parse_request
 from servefleet.gateway.asgi import Receive, Scope, Send, header, read_body, respond
 from servefleet.gateway.batch_runner import BatchRunner
-from servefleet.gateway.batch_store import BatchStore
+from servefleet.gateway.batch_store import BatchStore, StoreUnavailable, new_batch_id
 from servefleet.gateway.multipart_form import read_form
 from servefleet.gateway.route_table import RouteTable
 
@@ -99,6 +102,18 @@ class BatchApi:
 
     async def handle(self, table: RouteTable, scope: Scope, receive: Receive, send: Send) -> None:
         tenant = table.keys.require_tenant(header(scope, b"authorization"))
+        try:
+            await self._route(tenant, scope, receive, send)
+        except StoreUnavailable as exc:
+            raise OpenAIError(
+                status=503,
+                message="The batch store is unavailable; try again shortly.",
+                type="server_error",
+                code="store_unavailable",
+                headers={"retry-after": "5"},
+            ) from exc
+
+    async def _route(self, tenant: str, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
         if path == FILES:
             await self._files(tenant, method, scope, receive, send)
@@ -119,7 +134,7 @@ class BatchApi:
     ) -> None:
         if method == "GET":
             query = _query(scope, ("purpose", "limit", "after", "order"))
-            files = self.store.files(tenant)
+            files = await asyncio.to_thread(self.store.files, tenant)
             if "purpose" in query:
                 files = [f for f in files if f.purpose == query["purpose"]]
             if query.get("order", "desc") not in ("asc", "desc"):
@@ -155,7 +170,7 @@ class BatchApi:
         if method == "DELETE" and not content:
             reading = [
                 b.id
-                for b in self.store.batches(tenant)
+                for b in await asyncio.to_thread(self.store.batches, tenant)
                 if b.input_file_id == file_id and b.status not in TERMINAL
             ]
             if reading:  # the runner reads it until the batch closes
@@ -164,13 +179,13 @@ class BatchApi:
                     message=f"File {file_id} is the input of open batch {reading[0]}; cancel "
                     "the batch or wait for it to finish.",
                 )
-            if not self.store.delete_file(tenant, file_id):
+            if not await asyncio.to_thread(self.store.delete_file, tenant, file_id):
                 raise _not_found("file", file_id)
             body = {"id": file_id, "object": "file", "deleted": True}
             await respond(send, 200, json.dumps(body).encode())
             return
         _allow(method, "GET", scope["path"])
-        file = self.store.file(tenant, file_id)
+        file = await asyncio.to_thread(self.store.file, tenant, file_id)
         if file is None:
             raise _not_found("file", file_id)
         if not content:
@@ -185,17 +200,31 @@ class BatchApi:
     ) -> None:
         if method == "GET":
             query = _query(scope, ("limit", "after"))
-            await respond(send, 200, _page(self.store.batches(tenant), query))
+            batches = await asyncio.to_thread(self.store.batches, tenant)
+            await respond(send, 200, _page(batches, query))
             return
         _allow(method, "POST", BATCHES)
         _query(scope, ())
         _, request = parse_request(BatchCreateRequest, await read_body(receive))
-        batch = self.create(tenant, request)
+        batch, lines = await asyncio.to_thread(self._new_batch, tenant, request)
+        self._started(batch, lines)
         await respond(send, 200, json.dumps(batch.public()).encode())
 
     def create(self, tenant: str, request: BatchCreateRequest) -> Batch:
         """Validate the input file's lines now: a bad file fails the batch with every bad line
         listed (OpenAI's `failed` batch with `errors`); a good one starts in_progress."""
+        batch, lines = self._new_batch(tenant, request)
+        self._started(batch, lines)
+        return batch
+
+    def _started(self, batch: Batch, lines: list[BatchLine]) -> None:
+        """On the event loop: the runner's own state."""
+        if batch.status == "in_progress":
+            self.runner.note(batch, lines)  # in the batch signal at once, before its turn
+        self.runner.wake()
+
+    def _new_batch(self, tenant: str, request: BatchCreateRequest) -> tuple[Batch, list[BatchLine]]:
+        """The batch, saved, and its lines: store calls only (run off the event loop)."""
         file = self.store.file(tenant, request.input_file_id)
         if file is None or file.purpose != "batch":
             raise OpenAIError(
@@ -207,7 +236,7 @@ class BatchApi:
         data = self.store.file_content(tenant, file.id) or b""
         lines, errors = parse_lines(data, request.endpoint)
         batch = Batch(
-            id=self.store.new_batch_id(),
+            id=new_batch_id(),
             endpoint=request.endpoint,
             input_file_id=file.id,
             created_at=now,
@@ -222,17 +251,14 @@ class BatchApi:
         else:
             batch.status, batch.in_progress_at = "in_progress", now
         self.store.save_batch(batch)
-        if not errors:
-            self.runner.note(batch, lines)  # in the batch signal at once, before its turn
-        self.runner.wake()
-        return batch
+        return batch, lines
 
     async def _batch(
         self, tenant: str, method: str, batch_id: str, cancel: bool, scope: Scope, send: Send
     ) -> None:
         _query(scope, ())
         _allow(method, "POST" if cancel else "GET", scope["path"])
-        batch = self.store.batch(tenant, batch_id)
+        batch = await asyncio.to_thread(self.store.batch, tenant, batch_id)
         if batch is None:
             raise _not_found("batch", batch_id)
         if cancel:
@@ -244,7 +270,7 @@ class BatchApi:
                 )
             if batch.status != "cancelling":
                 batch.status, batch.cancelling_at = "cancelling", int(self._clock())
-                self.store.save_batch(batch)
+                await asyncio.to_thread(self.store.save_batch, batch)
                 self.runner.wake()
         await respond(send, 200, json.dumps(batch.public()).encode())
 

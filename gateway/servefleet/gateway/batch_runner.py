@@ -29,7 +29,7 @@ from typing import Any
 
 from servefleet.api.batches import Batch, BatchLine, output_line, parse_lines
 from servefleet.gateway.batch_demand import OpenWork
-from servefleet.gateway.batch_store import BatchStore
+from servefleet.gateway.batch_store import BatchStore, StoreUnavailable
 
 log = logging.getLogger("servefleet.gateway.batches")
 
@@ -108,9 +108,13 @@ class BatchRunner:
 
     async def run(self) -> None:
         while True:
-            batches = await asyncio.to_thread(self.store.open_batches)
-            batches.sort(key=lambda b: (b.expires_at, b.created_at))  # earliest deadline first
-            await self._note_unseen(batches)
+            try:
+                batches = await asyncio.to_thread(self.store.open_batches)
+                batches.sort(key=lambda b: (b.expires_at, b.created_at))  # earliest deadline first
+                await self._note_unseen(batches)
+            except StoreUnavailable as exc:  # tried again on the next poll
+                log.warning("batch_store_unavailable error=%s", exc)
+                batches = []
             for batch in batches:
                 try:
                     await self.advance(batch)
@@ -187,7 +191,7 @@ class BatchRunner:
 
     async def finish(self, batch: Batch) -> None:
         """Write the output and error files from the journal and close the batch."""
-        current = self.store.batch(batch.tenant, batch.id) or batch
+        current = await asyncio.to_thread(self.store.batch, batch.tenant, batch.id) or batch
         now = int(self._clock())
         results = sorted(await asyncio.to_thread(self.store.results, current), key=_index)
         answered_all = len(results) >= current.request_counts.total

@@ -1,32 +1,30 @@
-"""Where the Batch API keeps files, batches and each batch's journal: a folder (local mode's
-state folder, or a PersistentVolumeClaim shared by the gateway replicas).
+"""Where the Batch API keeps files, batches and each batch's journal: one interface
+(`BatchStore`), two stores picked by the gateway config (`BatchConfig`): a folder
+(`batch_store_folder`: local mode's state folder, or a PersistentVolumeClaim) or an
+S3-compatible bucket (`batch_store_s3`).
 
-Layout, one folder per tenant so no lookup can cross tenants:
-    tenants/<tenant>/files/<file id>.json      the file object
-    tenants/<tenant>/files/<file id>.data      its bytes
-    tenants/<tenant>/batches/<batch id>.json   the batch object
-    tenants/<tenant>/batches/<batch id>.jsonl  the journal: one record per finished line
-Objects are written to a temporary name, flushed and renamed, so a reader (or a gateway
-restarted mid-write) sees the old object or the new one, never half of one. Journal records
-are appended and flushed one by one; a torn last record (a crash mid-append) is ignored.
+What every store guarantees, and the runner and the API rely on:
+- Tenants are apart: every object lives under its tenant's name, and an id that is not one
+  (`ID_PATTERN`) names nothing, so no id reaches another tenant's object or leaves the store.
+- An object (a file, its bytes, a batch) is written whole or not at all: a reader, or a
+  gateway restarted mid-write, sees the old object or the new one, never part of one.
+- A file's bytes are written before its object and deleted after it, so a listed file can
+  always be read.
+- A journal record, once `append_result` returns, survives a crash; a record torn by one is
+  never returned. The journal is the truth a restarted runner resumes from.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from servefleet.api.batches import (
     BATCH_ID_PREFIX,
     FILE_ID_PREFIX,
     ID_PATTERN,
-    TERMINAL,
     Batch,
     FileObject,
     FilePurpose,
@@ -36,135 +34,63 @@ _ID = re.compile(ID_PATTERN)
 _TENANT = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label, as tenants are
 
 
-class BatchStore:
-    """Files and batches of every tenant under `root`."""
+class StoreUnavailable(RuntimeError):
+    """The store could not be reached, or failed, for now: the API answers 503 and the runner
+    tries again on its next poll; nothing already stored is touched."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
 
-    # -- files ----------------------------------------------------------------------------
-    def put_file(self, tenant: str, filename: str, purpose: FilePurpose, data: bytes) -> FileObject:
-        file = FileObject(
-            id=FILE_ID_PREFIX + secrets.token_hex(12),
-            bytes=len(data),
-            created_at=int(time.time()),
-            filename=filename,
-            purpose=purpose,
-        )
-        folder = self._folder(tenant, "files")
-        _write_atomically(folder / f"{file.id}.data", data)
-        _write_atomically(folder / f"{file.id}.json", file.model_dump_json().encode())
-        return file
+class BatchStore(Protocol):
+    """Files and batches of every tenant."""
 
-    def file(self, tenant: str, file_id: str) -> FileObject | None:
-        path = self._path(tenant, "files", file_id, ".json")
-        if path is None or not path.exists():
-            return None
-        return FileObject.model_validate_json(path.read_bytes())
-
-    def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        if self.file(tenant, file_id) is None:
-            return None
-        path = self._path(tenant, "files", file_id, ".data")
-        return path.read_bytes() if path is not None else None
-
+    def put_file(
+        self, tenant: str, filename: str, purpose: FilePurpose, data: bytes
+    ) -> FileObject: ...
+    def file(self, tenant: str, file_id: str) -> FileObject | None: ...
+    def file_content(self, tenant: str, file_id: str) -> bytes | None: ...
     def files(self, tenant: str) -> list[FileObject]:
         """Newest first."""
-        found = [
-            FileObject.model_validate_json(p.read_bytes())
-            for p in self._listing(tenant, "files", ".json")
-        ]
-        return sorted(found, key=lambda f: (f.created_at, f.id), reverse=True)
+        ...
 
-    def delete_file(self, tenant: str, file_id: str) -> bool:
-        meta = self._path(tenant, "files", file_id, ".json")
-        data = self._path(tenant, "files", file_id, ".data")
-        if meta is None or data is None or not meta.exists():
-            return False
-        meta.unlink()  # the object first: a crash in between leaves bytes nobody can name
-        data.unlink(missing_ok=True)
-        return True
-
-    # -- batches --------------------------------------------------------------------------
-    @staticmethod
-    def new_batch_id() -> str:
-        return BATCH_ID_PREFIX + secrets.token_hex(12)
-
-    def save_batch(self, batch: Batch) -> None:
-        record = batch.model_dump(mode="json") | {"tenant": batch.tenant}
-        path = self._folder(batch.tenant, "batches") / f"{batch.id}.json"
-        _write_atomically(path, json.dumps(record).encode())
-
-    def batch(self, tenant: str, batch_id: str) -> Batch | None:
-        path = self._path(tenant, "batches", batch_id, ".json")
-        if path is None or not path.exists():
-            return None
-        return Batch.model_validate_json(path.read_bytes())
-
+    def delete_file(self, tenant: str, file_id: str) -> bool: ...
+    def save_batch(self, batch: Batch) -> None: ...
+    def batch(self, tenant: str, batch_id: str) -> Batch | None: ...
     def batches(self, tenant: str) -> list[Batch]:
         """Newest first."""
-        found = [
-            Batch.model_validate_json(p.read_bytes())
-            for p in self._listing(tenant, "batches", ".json")
-        ]
-        return sorted(found, key=lambda b: (b.created_at, b.id), reverse=True)
+        ...
 
     def open_batches(self) -> list[Batch]:
         """Every tenant's batches that are not finished (the runner's work), oldest first."""
-        tenants = self.root / "tenants"
-        names = sorted(p.name for p in tenants.iterdir()) if tenants.is_dir() else []
-        found = [b for t in names for b in self.batches(t) if b.status not in TERMINAL]
-        return sorted(found, key=lambda b: (b.created_at, b.id))
+        ...
 
-    # -- a batch's journal ----------------------------------------------------------------
-    def append_result(self, batch: Batch, record: dict[str, Any]) -> None:
-        path = self._folder(batch.tenant, "batches") / f"{batch.id}.jsonl"
-        line = json.dumps(record, separators=(",", ":")).encode() + b"\n"
-        with path.open("a+b") as journal:
-            end = journal.seek(0, os.SEEK_END)
-            if end:  # after a torn record (a crash mid-append), start a line of our own
-                journal.seek(end - 1)
-                if journal.read(1) != b"\n":
-                    line = b"\n" + line
-            journal.write(line)
-            journal.flush()
-            os.fsync(journal.fileno())
-
-    def results(self, batch: Batch) -> list[dict[str, Any]]:
-        path = self._path(batch.tenant, "batches", batch.id, ".jsonl")
-        if path is None or not path.exists():
-            return []
-        records = []
-        for raw in path.read_bytes().splitlines():
-            try:
-                records.append(json.loads(raw))
-            except ValueError:  # a torn last append
-                continue
-        return records
-
-    # -- paths ----------------------------------------------------------------------------
-    def _folder(self, tenant: str, kind: str) -> Path:
-        if not _TENANT.match(tenant):
-            raise ValueError(f"not a tenant name: {tenant!r}")
-        folder = self.root / "tenants" / tenant / kind
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
-
-    def _path(self, tenant: str, kind: str, object_id: str, suffix: str) -> Path | None:
-        """The object's path, or None for an id that is not one (never a path outside)."""
-        if not _ID.match(object_id):
-            return None
-        return self._folder(tenant, kind) / f"{object_id}{suffix}"
-
-    def _listing(self, tenant: str, kind: str, suffix: str) -> Iterator[Path]:
-        folder = self._folder(tenant, kind)
-        return (p for p in folder.iterdir() if p.name.endswith(suffix))
+    def append_result(self, batch: Batch, record: dict[str, Any]) -> None: ...
+    def results(self, batch: Batch) -> list[dict[str, Any]]: ...
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with temporary.open("wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
+def new_batch_id() -> str:
+    return BATCH_ID_PREFIX + secrets.token_hex(12)
+
+
+def new_file(filename: str, purpose: FilePurpose, size: int) -> FileObject:
+    return FileObject(
+        id=FILE_ID_PREFIX + secrets.token_hex(12),
+        bytes=size,
+        created_at=int(time.time()),
+        filename=filename,
+        purpose=purpose,
+    )
+
+
+def check_tenant(tenant: str) -> str:
+    """`tenant`, or a ValueError: a tenant name is a DNS label, never a path."""
+    if not _TENANT.match(tenant):
+        raise ValueError(f"not a tenant name: {tenant!r}")
+    return tenant
+
+
+def is_id(object_id: str) -> bool:
+    """An id the store may have made; anything else (a path, a key) names nothing."""
+    return _ID.match(object_id) is not None
+
+
+def newest_first(found: list[Any]) -> list[Any]:
+    return sorted(found, key=lambda o: (o.created_at, o.id), reverse=True)

@@ -30,8 +30,9 @@ from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
 from servefleet.gateway.pd_pool import PromptTokenGauge, prefill_deployment, prefill_stats
 from servefleet.gateway.placement import Target, choose_target
-from servefleet.gateway.pool_resume import ResumeWaiters, holds_lease
+from servefleet.gateway.pool_resume import ResumeWaiters
 from servefleet.gateway.pool_types import Lease, Placement, PoolRequest, Shed, Spill
+from servefleet.gateway.pool_waiting import ShedWhileQueued, wait_for_slot
 from servefleet.gateway.queueing import FairQueue, TrafficClass
 from servefleet.gateway.retry_promises import RetryPromises
 from servefleet.gateway.routing import Replica, ReplicaSet
@@ -41,14 +42,6 @@ if TYPE_CHECKING:  # the tokenizer is optional and loaded lazily
     from servefleet.gateway.token_counter import PromptTokenCounter
 
 __all__ = ["DeploymentPool", "Lease", "Placement", "PoolRequest", "Shed", "Spill"]
-
-
-class _ShedWhileQueued(Exception):
-    """Wakes a queued request that was pushed out (or found no replica)."""
-
-    def __init__(self, shed: Shed) -> None:
-        super().__init__(shed.reason)
-        self.shed = shed
 
 
 class DeploymentPool:
@@ -193,11 +186,11 @@ class DeploymentPool:
         promised = bool(self.promises) and self.promises.redeem(request.retry_key, self._clock())
         admitted = self._admit(request, promised)
         if admitted.placed is Outcome.SHED:
-            return self._refuse(request, admitted.predicted_wait_s, admitted.reason)
+            return self.refuse(request, admitted.predicted_wait_s, admitted.reason)
         if admitted.now:
             lease = self._dispatch_now(request)
             if lease is not None:
-                self._granted(request, lease)
+                self.granted(request, lease)
                 return lease
         elif admitted.placed is Outcome.SPILLED:
             budget = self.spill_budget
@@ -207,13 +200,13 @@ class DeploymentPool:
                 self._spilled_tokens.add(now, request.tokens)
                 return Spill(admitted.reason)
             if admitted.predicted_wait_s > self.config.admission.max_queue_wait:
-                return self._refuse(
+                return self.refuse(
                     request, admitted.predicted_wait_s, "spill-over rate cap reached"
                 )
         # Queued, a free slot taken by someone else meanwhile, or spill-over capped.
-        return await self._wait_for_slot(request, promised)
+        return await wait_for_slot(self, request, self.config.admission.max_queue_wait, promised)
 
-    def _refuse(self, request: PoolRequest, wait_s: float, reason: str) -> Shed:
+    def refuse(self, request: PoolRequest, wait_s: float, reason: str) -> Shed:
         """A Shed whose Retry-After is a promise: its own return time (see retry_promises)."""
         now = self._clock()
         rate, _ = self.service_rate(now)
@@ -303,64 +296,7 @@ class DeploymentPool:
             kv_deadline_s=target.kv_deadline_s,
         )
 
-    def _make_room(self, request: PoolRequest, now: float) -> Shed | None:
-        """Push out a lower-priority request when the queue is full; a Shed when none can go."""
-        queue = self.queue
-        victim = queue.make_room(request.tenant, request.traffic_class)
-        if victim is None:
-            return self._refuse(request, self._retry_after(now), "queue full")
-        queue.cancel(victim)
-        if victim.future is not None and not victim.future.done():
-            shed = Shed(self._retry_after(now), "pushed out by a higher-priority request")
-            victim.future.set_exception(_ShedWhileQueued(shed))
-        return None
-
-    async def _wait_for_slot(self, request: PoolRequest, promised: bool = False) -> Lease | Shed:
-        """Queue the request until `pump` hands it a replica, or shed it past maxQueueWait."""
-        loop = asyncio.get_running_loop()
-        now = self._clock()
-        queue = self.queue
-        if not promised and queue.full and (refused := self._make_room(request, now)):
-            return refused
-        future: asyncio.Future[Lease] = loop.create_future()
-        entry = queue.push(
-            request.tenant,
-            request.traffic_class,
-            request.tokens,
-            now,
-            weight=request.weight,
-            future=future,
-            payload=request,
-            promised=promised,
-        )
-        self.pump()
-        try:
-            lease = await asyncio.wait_for(
-                asyncio.shield(future), timeout=self.config.admission.max_queue_wait
-            )
-        except _ShedWhileQueued as pushed_out:
-            return pushed_out.shed
-        except TimeoutError:
-            if not holds_lease(future):
-                queue.cancel(entry)
-                future.cancel()
-                return self._refuse(
-                    request, self._retry_after(self._clock()), "waited past maxQueueWait"
-                )
-            lease = future.result()  # dispatched at the very moment the wait ran out
-        except asyncio.CancelledError:
-            # The client went away while queued: give the slot back if one was handed over.
-            if holds_lease(future):
-                self.release(future.result(), ok=True)
-            else:
-                queue.cancel(entry)
-                future.cancel()
-            raise
-        lease.queue_wait_s = self._clock() - entry.enqueued_at
-        self._granted(request, lease)
-        return lease
-
-    def _granted(self, request: PoolRequest, lease: Lease) -> None:
+    def granted(self, request: PoolRequest, lease: Lease) -> None:
         """Note a batch slot apart, and only interactive waits: a batch backlog may wait, and
         neither its queue nor its running requests buy replicas by themselves."""
         if request.traffic_class is TrafficClass.INTERACTIVE:
@@ -369,7 +305,7 @@ class DeploymentPool:
             lease.batch = True
             self.in_flight_batch += 1
 
-    def _retry_after(self, now: float) -> float:
+    def retry_after(self, now: float) -> float:
         rate, per_replica = self.service_rate(now)
         ahead = len(self.queue)
         if rate > 0:
@@ -394,7 +330,7 @@ class DeploymentPool:
                 continue
             lease = self._dispatch_now(entry.payload)
             if lease is None:  # cannot happen while free_slots > 0; keep the request safe
-                future.set_exception(_ShedWhileQueued(Shed(self._retry_after(now), "no replica")))
+                future.set_exception(ShedWhileQueued(Shed(self.retry_after(now), "no replica")))
                 continue
             future.set_result(lease)
 

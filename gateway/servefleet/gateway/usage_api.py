@@ -7,7 +7,7 @@ costs): the same boundary as `/metrics`. Query parameters, each honoured or a 40
 
 The numbers are counter increases read from the Prometheus the platform configured
 (`usage_prometheus_url`; `servefleet.api.usage_query` says why Prometheus), priced with the
-deployment's spec.chargeback (else spec.autoscaling.prices). The engines' series are selected
+deployment's spec.chargeback and spec.prices. The engines' series are selected
 by their Service (`namespace`, `service`, as a ServiceMonitor labels them) or, for static
 replicas, by `instance` (their host:port); the gateway's by the deployment's model.
 """
@@ -109,7 +109,7 @@ async def send_usage(
             code="not_configured",
         )
     try:
-        prices = Prices.resolve(config.chargeback, config.scaling_prices)
+        prices = Prices.resolve(config.prices)
     except ValueError as exc:
         raise OpenAIError(status=409, message=f"{config.name}: {exc}", code="unpriced") from None
     start, end = period(params, clock())

@@ -52,6 +52,9 @@ NETWORK_POLICIES = Resource(
 SERVICE_MONITORS = Resource(
     api_version="monitoring.coreos.com/v1", kind="ServiceMonitor", plural="servicemonitors"
 )
+LEADER_WORKER_SETS = Resource(
+    api_version="leaderworkerset.x-k8s.io/v1", kind="LeaderWorkerSet", plural="leaderworkersets"
+)
 LLM_DEPLOYMENTS = Resource(api_version=FULL_API_VERSION, kind=KIND, plural=PLURAL)
 LLM_ADAPTERS = Resource(api_version=FULL_API_VERSION, kind=ADAPTER_KIND, plural=ADAPTER_PLURAL)
 
@@ -68,6 +71,7 @@ KNOWN: dict[tuple[str, str], Resource] = {
         POD_DISRUPTION_BUDGETS,
         NETWORK_POLICIES,
         SERVICE_MONITORS,
+        LEADER_WORKER_SETS,
         LLM_DEPLOYMENTS,
         LLM_ADAPTERS,
     )

@@ -69,6 +69,11 @@ def engine_command(
         raise LocalModeError(
             f"engine.kind {spec.engine.kind} runs only on Kubernetes; local mode runs servefleet"
         )
+    if spec.engine.pods_per_replica() > 1:
+        raise LocalModeError(
+            "engine.tensorParallelSize x pipelineParallelSize > 1 makes a replica of several "
+            "ranks (a LeaderWorkerSet on Kubernetes), which local mode does not start"
+        )
     adapter = engine_adapter(spec.engine.kind)
     # The pod's command names the `servefleet` script; here it is this installation's.
     subcommand = list(adapter.command[1:])

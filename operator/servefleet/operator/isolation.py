@@ -120,9 +120,11 @@ def network_policy(dep: LLMDeployment, meta: dict[str, Any], peers: EnginePeers)
     ingress: list[dict[str, Any]] = [
         {"from": sources, "ports": [{"port": ENGINE_PORT_NAME, "protocol": "TCP"}]}
     ]
-    if dep.spec.disaggregation is not None and dep.spec.engine.kind != "servefleet":
+    disaggregated = dep.spec.disaggregation is not None and dep.spec.engine.kind != "servefleet"
+    if disaggregated or dep.spec.engine.pods_per_replica() > 1:
         # vLLM's NIXL and SGLang's Mooncake/NIXL hand KV over on ports UCX or Mooncake pick
-        # at run time (beside the side channel / bootstrap port): the deployment's own
+        # at run time (beside the side channel / bootstrap port), and the ranks of a replica
+        # spanning pods meet on ports of their own (Ray, NCCL, gloo): the deployment's own
         # engines, and only they, reach each other on every port.
         ingress.append({"from": [{"podSelector": copy.deepcopy(own)}]})
     return {

@@ -22,12 +22,23 @@ from servefleet.api.fetch_progress import FETCH_CONTAINER
 from servefleet.api.llmadapter import LLMAdapter
 from servefleet.api.llmdeployment import FULL_API_VERSION, KIND, LLMDeployment
 from servefleet.kube import KubeClient, KubeError
-from servefleet.kube.resources import DEPLOYMENTS, LLM_DEPLOYMENTS, PODS, SERVICE_MONITORS
+from servefleet.kube.resources import (
+    DEPLOYMENTS,
+    LEADER_WORKER_SETS,
+    LLM_DEPLOYMENTS,
+    PODS,
+    SERVICE_MONITORS,
+)
 from servefleet.operator import render
 from servefleet.operator.adapter_sync import AdapterSync, NamespaceAdapters
+from servefleet.operator.groups import as_deployment_status, is_group
 from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
 from servefleet.operator.policy import default_allowed_images
-from servefleet.operator.pool_cleanup import remove_prefill_pool
+from servefleet.operator.pool_cleanup import (
+    missing_group_api,
+    remove_other_workload,
+    remove_prefill_pool,
+)
 from servefleet.operator.pools import prefill_object_name
 from servefleet.operator.status import (
     EventSpec,
@@ -173,6 +184,8 @@ class Reconciler:
             dep, self.render_settings, await self._with_service_monitor(), adapters
         )
         try:
+            if missing := await missing_group_api(self.client, dep):
+                return missing
             await self._ensure_engine_key(dep)
             await self._ensure_replicas(dep)
         except KubeError as exc:
@@ -183,6 +196,11 @@ class Reconciler:
                 await self.client.apply(obj, FIELD_MANAGER_OPERATOR)
             except KubeError as exc:
                 return f"applying {obj['kind']} {obj['metadata']['name']}: {exc.message}"
+        try:  # replicas changed between one pod and groups: the new workload is applied
+            if other := await remove_other_workload(self.client, dep):
+                log.info("%s/%s: removed %s", dep.namespace, dep.name, other)
+        except KubeError as exc:
+            return f"removing the old engine workload of {dep.name}: {exc.message}"
         if dep.spec.disaggregation is None and dep.status.prefill is not None:
             try:  # the block was deleted: status still shows the pool that ran
                 removed = await remove_prefill_pool(self.client, dep)
@@ -194,9 +212,10 @@ class Reconciler:
     async def _apply_deletion_costs(self, dep: LLMDeployment) -> None:
         """Copy the autoscaler's ranking (status.podDeletionCosts) onto this deployment's own
         engine pods, before the engine Deployment is scaled: the ReplicaSet then removes the
-        idlest replica. Best effort: without it the ReplicaSet picks by its own rules."""
+        idlest replica. Best effort: without it the ReplicaSet picks by its own rules. Not
+        for groups: a LeaderWorkerSet removes its highest-indexed groups (`groups`)."""
         costs = {c.pod: str(c.cost) for c in dep.status.pod_deletion_costs}
-        if not costs:
+        if not costs or is_group(dep):
             return
         try:
             listed = await self.client.list(PODS, dep.namespace, render.selector_string(dep))
@@ -333,11 +352,16 @@ class Reconciler:
     async def _write_status(
         self, dep: LLMDeployment, error: str | None, refused: tuple[str, str] | None = None
     ) -> None:
-        deployment = await self.client.get(DEPLOYMENTS, dep.namespace, render.engine_name(dep))
+        name = render.engine_name(dep)
+        if is_group(dep):  # groups: read as a Deployment's status (replicas = groups)
+            lws = await self.client.get(LEADER_WORKER_SETS, dep.namespace, name)
+            deployment = as_deployment_status(lws)
+        else:
+            deployment = await self.client.get(DEPLOYMENTS, dep.namespace, name)
         prefill = None
         if dep.spec.disaggregation is not None or dep.status.prefill is not None:
-            name = prefill_object_name(dep.name)
-            prefill = await self.client.get(DEPLOYMENTS, dep.namespace, name)
+            prefill_name = prefill_object_name(dep.name)
+            prefill = await self.client.get(DEPLOYMENTS, dep.namespace, prefill_name)
         pods, logs = await self._observe_fetches(dep)
         observed = Observed(
             deployment, error, refused, pods=pods, fetch_logs=logs, prefill_deployment=prefill

@@ -31,7 +31,6 @@ from servefleet.api.conventions import (
     SECRETS_MOUNT,
     engine_key_secret_name,
     engine_object_name,
-    engine_selector,
     label_selector,
     route_object_name,
 )
@@ -45,6 +44,12 @@ from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.api.route_signature import route_signature
 from servefleet.operator.child_meta import child_meta as _meta
 from servefleet.operator.child_meta import common_labels
+from servefleet.operator.groups import (
+    group_disruption_budget,
+    is_group,
+    leader_worker_set,
+    replica_selector,
+)
 from servefleet.operator.isolation import (
     CONTAINER_SECURITY,
     POD_SECURITY,
@@ -121,7 +126,8 @@ def route_name(dep: LLMDeployment) -> str:
 
 
 def selector_labels(dep: LLMDeployment) -> dict[str, str]:
-    return engine_selector(dep.name)
+    """The pods standing for replicas: every engine pod, or each group's leader (`groups`)."""
+    return replica_selector(dep)
 
 
 def selector_string(dep: LLMDeployment) -> str:
@@ -215,10 +221,14 @@ def engine_deployment(
     ready replicas never drops below the desired count, hence never below the warm pool.
     `role` prefill: the prefill pool's (`pools`); otherwise the deployment's own pool."""
     role = decode_role(dep) if role is None else role
+    meta = _meta(dep, pool_name(dep, role), {LABEL_COMPONENT: pool_component(role)})
+    if is_group(dep):  # replicas bigger than one pod (never disaggregated: the spec says so)
+        template = engine_pod_template(dep, settings, role)
+        return leader_worker_set(dep, meta, pool_replicas(dep, role), template)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(dep, pool_name(dep, role), {LABEL_COMPONENT: pool_component(role)}),
+        "metadata": meta,
         "spec": {
             "replicas": pool_replicas(dep, role),
             "selector": {"matchLabels": pool_selector(dep, role)},
@@ -244,7 +254,7 @@ def headless_service(dep: LLMDeployment, role: Role | None = None) -> dict[str, 
         "metadata": _meta(dep, pool_name(dep, role), {LABEL_COMPONENT: pool_component(role)}),
         "spec": {
             "clusterIP": "None",
-            "selector": pool_selector(dep, role),
+            "selector": pool_selector(dep, role) if role == "prefill" else selector_labels(dep),
             "publishNotReadyAddresses": False,
             "ports": [
                 {
@@ -265,6 +275,8 @@ def pod_disruption_budget(dep: LLMDeployment, role: Role | None = None) -> dict[
     budget: dict[str, Any] = (
         {"minAvailable": min_replicas} if min_replicas > 0 else {"maxUnavailable": 1}
     )
+    if is_group(dep):
+        budget = group_disruption_budget(dep, pool_replicas(dep, role))
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
