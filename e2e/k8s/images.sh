@@ -34,7 +34,9 @@ fi
 bah() { buildah --root "$cache/storage" --runroot "$cache/run" --storage-driver overlay "$@"; }
 ctr_() { ctr --address "$socket" --namespace k8s.io "$@"; }
 log() { echo "images.sh: $*" >&2; }
-in_containerd() { [[ -z "$build_only" ]] && ctr_ images ls -q | grep -qxF "$1"; }
+# grep reads the whole list (no -q): stopping at the match would SIGPIPE ctr, which writes a
+# line at a time, and pipefail would call a present image missing.
+in_containerd() { [[ -z "$build_only" ]] && ctr_ images ls -q | grep -xF "$1" >/dev/null; }
 
 import_into_containerd() {  # REFERENCE
   [[ -n "$build_only" ]] && return 0
