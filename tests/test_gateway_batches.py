@@ -291,3 +291,30 @@ def test_the_api_is_not_found_where_it_is_not_enabled() -> None:
 def test_which_answers_send_a_line_back_to_wait(status: int, code: str, again: bool) -> None:
     body = json.dumps({"error": {"message": "m", "type": "t", "param": None, "code": code}})
     assert is_not_now(status, body.encode()) is again
+
+
+def test_an_upload_over_the_cap_is_a_413_naming_the_file_and_stores_nothing(
+    tmp_path: Path,
+) -> None:
+    """A tenant cannot fill the store with one upload: past `batch.max_file_bytes` the
+    upload is refused while it streams in, and nothing of it is listed or left behind."""
+    config = _config(tmp_path / "batches")
+    assert config.batch is not None
+    config = config.model_copy(
+        update={"batch": config.batch.model_copy(update={"max_file_bytes": 4096})}
+    )
+    with serve_in_thread(Gateway(config)) as base:
+        key = {"authorization": "Bearer key-a"}
+        with httpx.Client(base_url=base, headers=key) as http:
+            small = http.post(
+                "/v1/files", files={"file": ("ok.jsonl", _lines(2))}, data={"purpose": "batch"}
+            )
+            assert small.status_code == 200, small.text
+            big = {"file": ("big.jsonl", _lines(200))}
+            assert len(_lines(200)) > 4096
+            refused = http.post("/v1/files", files=big, data={"purpose": "batch"})
+            assert refused.status_code == 413 and refused.json()["error"]["param"] == "file"
+            listed = http.get("/v1/files").json()["data"]
+            assert [f["filename"] for f in listed] == ["ok.jsonl"]
+    stored = [p for p in (tmp_path / "batches").rglob("*") if p.is_file()]
+    assert not any(b"line 199" in p.read_bytes() for p in stored)
