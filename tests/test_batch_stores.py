@@ -7,7 +7,6 @@ prefix, crash orders, credentials), and a batch run end to end on the bucket."""
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -36,20 +35,14 @@ _prefixes = itertools.count()
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[str]:
-    saved = {k: os.environ.get(k) for k in KEYS}
-    os.environ.update(KEYS)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in KEYS.items():
+            env.setenv(key, value)
         with s3_server() as endpoint:
             boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
                 Bucket=BUCKET
             )
             yield endpoint
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def bucket_config(endpoint: str) -> BatchS3Store:

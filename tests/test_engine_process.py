@@ -18,10 +18,13 @@ from servefleet.bench.processes import free_port
 MODEL = "smollm2-135m-instruct"
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+def wait_ready(
+    url: str, proc: subprocess.Popen[bytes], timeout: float = 180, log: Path | None = None
+) -> None:
+    """Until the engine at `url` answers ready; its log (if given) shown when it exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "engine exited during start-up"
+        assert proc.poll() is None, log.read_text() if log else "engine exited during start-up"
         try:
             if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
                 return

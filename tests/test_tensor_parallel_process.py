@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from servefleet.bench.processes import free_port
+from tests.test_engine_process import wait_ready
 from tests.test_tensor_parallel import _settings, _tiny_model, reference, run_split
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -41,19 +42,6 @@ def _rank(rank: int, model: str, port: int, master: int, log: Path) -> subproces
         )  # fmt: skip
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("rank 0 never became ready")
-
-
 def test_killed_rank_takes_the_replica_down(tmp_path: Path) -> None:
     model = str(_tiny_model(tmp_path / "tiny"))
     port, master = free_port(), free_port()
@@ -61,7 +49,7 @@ def test_killed_rank_takes_the_replica_down(tmp_path: Path) -> None:
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
     procs = [_rank(r, model, port, master, logs[r]) for r in (0, 1)]
     try:
-        _wait_ready(url, procs[0], logs[0])
+        wait_ready(url, procs[0], log=logs[0])
         body = {"model": model, "prompt": "t5 t6 t7", "max_tokens": 4, "temperature": 0}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
