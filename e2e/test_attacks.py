@@ -1,7 +1,8 @@
 """The attack suite (`servefleet.bench.attack_suite`) against real processes: one hostile tenant
 key against two engines on the real model, a gateway and Redis, then against `servefleet up`.
 Each attack must fail *and* leave another tenant's p99 within 2x of its quiet window, measured
-on the same stack just before the attack. The table is written to bench/results/attacks.
+on the same stack just before the attack (and, when only that p99 fails, just after it too:
+`attack_suite.rejudge_after_quiet`). The table is written to bench/results/attacks.
 """
 
 from __future__ import annotations
