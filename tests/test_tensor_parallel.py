@@ -1,6 +1,7 @@
-"""Tensor parallelism over gloo, ranks as processes on this machine: greedy output split
-over ranks equals one process's, alone and batched; a rank that dies takes the group down
-(non-zero exit, one log line) instead of hanging; what does not combine is refused by name."""
+"""Tensor and pipeline parallelism over gloo, ranks as processes on this machine: greedy
+output split over ranks (TP=2, PP=2, TP=2 x PP=2) equals one process's, alone and
+batched; a rank that dies takes the group down (non-zero exit, one log line) instead of
+hanging; what does not combine is refused by name."""
 
 from __future__ import annotations
 
@@ -228,6 +229,41 @@ def test_split_greedy_equals_one_process_alone_and_batched(tiny: str) -> None:
         assert got["outputs"] == expected, name
 
 
+GRID_RUNS = {
+    "TP=2 x PP=2 (4 ranks), float32, torch matmuls": {"matmul": "torch"},
+    "TP=2 x PP=2 (4 ranks), int8 packed at load, C matmuls, int8 KV": {
+        "quantization": "int8",
+        "kv_cache_dtype": "int8",
+    },
+}
+
+
+def test_tensor_and_pipeline_together_equal_one_process(tiny: str) -> None:
+    """Two stages of two tensor shards each (rank = stage * 2 + shard): greedy output
+    equals one process's, alone and batched; one spawn of four ranks runs both cases."""
+    runs = [_settings(tiny, 2, pipeline_parallel_size=2, **extra) for extra in GRID_RUNS.values()]
+    split = run_split(runs, PROMPTS, 4)
+    for name, settings, got in zip(GRID_RUNS, runs, split, strict=True):
+        assert [got[f"rank{r}"] for r in (1, 2, 3)] == [0, 0, 0], name
+        expected = reference(settings, PROMPTS)
+        assert expected["alone"] == expected["batched"], name
+        assert got["outputs"] == expected, name
+
+
+def test_ranks_are_laid_out_stage_major() -> None:
+    """vLLM's layout: rank = stage * TP + tensor rank; a stage's shards are consecutive."""
+    from servefleet.engine.parallel.group import ParallelGroup
+
+    cpu = torch.device("cpu")
+    places = [ParallelGroup(r, 6, cpu, tensor_size=2) for r in range(6)]
+    assert [(g.stage, g.tensor_rank, g.stage_leader) for g in places] == [
+        (0, 0, 0), (0, 1, 0), (1, 0, 2), (1, 1, 2), (2, 0, 4), (2, 1, 4),
+    ]  # fmt: skip
+    assert all(g.stages == 3 and g.pipeline for g in places)
+    only_tensor = ParallelGroup(1, 2, cpu)
+    assert (only_tensor.tensor_size, only_tensor.stages, only_tensor.pipeline) == (2, 1, False)
+
+
 def test_plan_round_trips_through_its_tensors() -> None:
     from servefleet.engine.attention import AttentionMetadata, PrefillSpan
 
@@ -290,7 +326,12 @@ def test_shapes_that_do_not_split_are_refused_by_name() -> None:
         ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}, 2,
          "--speculative-config is not supported with --tensor-parallel-size 2"),
         ({"enable_lora": True}, 2, "--enable-lora is not supported"),
-        ({"pipeline_parallel_size": 2}, 4, "one or the other, not both together"),
+        ({"pipeline_parallel_size": 2}, 2,
+         "--tensor-parallel-size 2 with --pipeline-parallel-size 2 needs WORLD_SIZE=4"),
+        ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+          "pipeline_parallel_size": 2}, 4,
+         "--speculative-config is not supported with --tensor-parallel-size 2 with "
+         "--pipeline-parallel-size 2"),
         ({"enable_lora": True, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}, 2,
          "--enable-lora is not supported with --pipeline-parallel-size 2"),
         ({}, 3, "needs WORLD_SIZE=2 processes, the environment says WORLD_SIZE=3"),
