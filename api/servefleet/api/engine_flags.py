@@ -323,8 +323,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "pipeline_parallel_size",
         "kernels",
-        "processes one replica's layers are split over, in consecutive stages (not together "
-        "with --tensor-parallel-size)",
+        "processes one replica's layers are split over, in consecutive stages (each of "
+        "--tensor-parallel-size processes: TP × PP ranks)",
         kind=int,
         default=1,
         minimum=1,
