@@ -133,6 +133,7 @@ def _outputs(
         "alone": _greedy(built, prompts, False, tokens),
         "batched": _greedy(built, prompts, True, tokens),
     }
+    result["micro_batches"] = built.engine.runner.group.micro_batches  # type: ignore[assignment]
     built.engine.runner.close()
     return result
 
@@ -223,6 +224,8 @@ def test_split_greedy_equals_one_process_alone_and_batched(tiny: str) -> None:
     split = run_split(runs, PROMPTS, 2)
     for name, settings, got in zip(RUNS, runs, split, strict=True):
         assert got["rank1"] == 0, name
+        micro = got["outputs"].pop("micro_batches")
+        assert (micro > 0) == (settings.get("pipeline_parallel_size", 1) > 1), name
         expected = reference(settings, PROMPTS)
         assert expected["alone"] == expected["batched"], name
         assert all(len(tokens) == NEW_TOKENS for tokens in expected["alone"]), name
@@ -245,6 +248,7 @@ def test_tensor_and_pipeline_together_equal_one_process(tiny: str) -> None:
     split = run_split(runs, PROMPTS, 4)
     for name, settings, got in zip(GRID_RUNS, runs, split, strict=True):
         assert [got[f"rank{r}"] for r in (1, 2, 3)] == [0, 0, 0], name
+        assert got["outputs"].pop("micro_batches") > 0, name  # the batched steps were cut
         expected = reference(settings, PROMPTS)
         assert expected["alone"] == expected["batched"], name
         assert got["outputs"] == expected, name
@@ -262,6 +266,41 @@ def test_ranks_are_laid_out_stage_major() -> None:
     assert all(g.stages == 3 and g.pipeline for g in places)
     only_tensor = ParallelGroup(1, 2, cpu)
     assert (only_tensor.tensor_size, only_tensor.stages, only_tensor.pipeline) == (2, 1, False)
+
+
+def test_micro_batches_cut_between_sequences_and_rebase_rows() -> None:
+    """Two decode rows and two prompt chunks (3 and 4 rows) cut in two by token balance:
+    [decodes + first chunk | second chunk], each a step of its own from row 0."""
+    from servefleet.engine.attention import AttentionMetadata, PrefillSpan
+    from servefleet.engine.parallel.micro_batches import micro_batches
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(100, 109),
+        block_size=4,
+        num_decodes=2,
+        decode_block_tables=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+        decode_context_lens=torch.tensor([6, 2], dtype=torch.int32),
+        prefills=[
+            PrefillSpan(2, 5, 0, torch.tensor([7])),
+            PrefillSpan(5, 9, 4, torch.tensor([8, 9])),
+        ],
+    )
+    plan = StepPlan(torch.arange(9), torch.arange(20, 29), meta, [0, 1, 4, 8])
+    first, second = micro_batches(plan, 2)
+    assert (first.first, first.end, second.first, second.end) == (0, 5, 5, 9)
+    assert first.plan.ids.tolist() == [0, 1, 2, 3, 4] and first.plan.logit_rows == [0, 1, 4]
+    assert first.plan.meta.num_decodes == 2 and len(first.plan.meta.prefills) == 1
+    assert second.plan.meta.num_decodes == 0 and second.plan.meta.decode_block_tables is None
+    (span,) = second.plan.meta.prefills
+    assert (span.start, span.end, span.num_cached, span.block_table.tolist()) == (0, 4, 4, [8, 9])
+    assert second.plan.meta.slot_mapping.tolist() == [105, 106, 107, 108]
+    assert second.plan.positions.tolist() == [25, 26, 27, 28] and second.plan.logit_rows == [3]
+    (whole,) = micro_batches(plan, 1)
+    assert whole.plan is plan
+    chunk = PrefillSpan(0, 3, 0, torch.tensor([1]))
+    alone = AttentionMetadata(slot_mapping=torch.arange(3), block_size=4, prefills=[chunk])
+    one_sequence = StepPlan(torch.arange(3), torch.arange(3), alone, [2])
+    assert len(micro_batches(one_sequence, 4)) == 1  # a prompt chunk is never cut
 
 
 def test_plan_round_trips_through_its_tensors() -> None:

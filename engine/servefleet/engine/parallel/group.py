@@ -54,6 +54,7 @@ class ParallelGroup:
     tensor_size: int = 0  # TP: ranks per stage (0: every rank, i.e. one stage)
     tensor_group: dist.ProcessGroup | None = None  # this stage's (None: the whole group)
     stats: CommStats = field(default_factory=CommStats)
+    micro_batches: int = 0  # pipeline micro-batches run (`stages`), for tests and logs
 
     def __post_init__(self) -> None:
         self.tensor_size = self.tensor_size or self.world_size
@@ -113,6 +114,21 @@ class ParallelGroup:
         else:
             self._run(f"recv from {peer}", lambda: dist.recv(tensor, peer), tensor)
         return tensor
+
+    def send_later(self, tensor: torch.Tensor, peer: int) -> Callable[[], None]:
+        """Start sending `tensor` to rank `peer`; the returned call waits for it (so a
+        stage runs its next micro-batch while the next stage receives this one)."""
+        started = time.perf_counter()
+        try:
+            work = dist.isend(tensor, peer)
+        except (RuntimeError, ValueError) as exc:
+            raise GroupLostError(f"rank {self.rank}: send to {peer} failed: {exc}") from exc
+
+        def wait() -> None:
+            self._run(f"send to {peer}", lambda: work is None or work.wait(), tensor)
+
+        self.stats.seconds += time.perf_counter() - started
+        return wait
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. KV blocks: every rank holds as many)."""
