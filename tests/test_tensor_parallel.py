@@ -120,20 +120,18 @@ def _greedy(
     return outputs
 
 
-def _outputs(
-    settings: dict[str, Any], prompts: list[list[int]], tokens: int
-) -> dict[str, list[list[int]]]:
+def _outputs(settings: dict[str, Any], prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     from servefleet.engine.parallel.setup import leader_group
     from servefleet.engine.process import build_engine, resolve_device
 
     config = EngineConfig(**settings)
     group = leader_group(config, resolve_device("cpu"))
     built = build_engine(config, group=group)
-    result = {
+    result: dict[str, Any] = {
         "alone": _greedy(built, prompts, False, tokens),
         "batched": _greedy(built, prompts, True, tokens),
     }
-    result["micro_batches"] = built.engine.runner.group.micro_batches  # type: ignore[assignment]
+    result["micro_batches"] = built.engine.runner.group.micro_batches_run
     built.engine.runner.close()
     return result
 
@@ -214,7 +212,10 @@ RUNS = {
         2,
         {"quantization": "int8", "kv_cache_dtype": "int8"},
     ),
-    "PP=2 (a layer a stage), C matmuls": (1, {"pipeline_parallel_size": 2}),
+    "PP=2 (a layer a stage), C matmuls, 2 micro-batches": (
+        1,
+        {"pipeline_parallel_size": 2, "pipeline_micro_batches": 2},
+    ),
 }
 
 
@@ -224,8 +225,8 @@ def test_split_greedy_equals_one_process_alone_and_batched(tiny: str) -> None:
     split = run_split(runs, PROMPTS, 2)
     for name, settings, got in zip(RUNS, runs, split, strict=True):
         assert got["rank1"] == 0, name
-        micro = got["outputs"].pop("micro_batches")
-        assert (micro > 0) == (settings.get("pipeline_parallel_size", 1) > 1), name
+        micro = got["outputs"].pop("micro_batches")  # the batched steps were cut, if asked
+        assert (micro > 0) == (settings.get("pipeline_micro_batches", 1) > 1), name
         expected = reference(settings, PROMPTS)
         assert expected["alone"] == expected["batched"], name
         assert all(len(tokens) == NEW_TOKENS for tokens in expected["alone"]), name
@@ -233,8 +234,11 @@ def test_split_greedy_equals_one_process_alone_and_batched(tiny: str) -> None:
 
 
 GRID_RUNS = {
-    "TP=2 x PP=2 (4 ranks), float32, torch matmuls": {"matmul": "torch"},
-    "TP=2 x PP=2 (4 ranks), int8 packed at load, C matmuls, int8 KV": {
+    "TP=2 x PP=2 (4 ranks), float32, torch matmuls, 2 micro-batches": {
+        "matmul": "torch",
+        "pipeline_micro_batches": 2,
+    },
+    "TP=2 x PP=2 (4 ranks), int8 packed at load, C matmuls, int8 KV, whole steps": {
         "quantization": "int8",
         "kv_cache_dtype": "int8",
     },
@@ -248,7 +252,8 @@ def test_tensor_and_pipeline_together_equal_one_process(tiny: str) -> None:
     split = run_split(runs, PROMPTS, 4)
     for name, settings, got in zip(GRID_RUNS, runs, split, strict=True):
         assert [got[f"rank{r}"] for r in (1, 2, 3)] == [0, 0, 0], name
-        assert got["outputs"].pop("micro_batches") > 0, name  # the batched steps were cut
+        micro = got["outputs"].pop("micro_batches")  # the batched steps were cut, if asked
+        assert (micro > 0) == (settings.get("pipeline_micro_batches", 1) > 1), name
         expected = reference(settings, PROMPTS)
         assert expected["alone"] == expected["batched"], name
         assert got["outputs"] == expected, name
@@ -374,6 +379,8 @@ def test_shapes_that_do_not_split_are_refused_by_name() -> None:
         ({"enable_lora": True, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}, 2,
          "--enable-lora is not supported with --pipeline-parallel-size 2"),
         ({}, 3, "needs WORLD_SIZE=2 processes, the environment says WORLD_SIZE=3"),
+        ({"pipeline_micro_batches": 2}, 2,
+         "--pipeline-micro-batches 2 needs --pipeline-parallel-size > 1"),
     ],
 )  # fmt: skip
 def test_combinations_that_do_not_split_are_refused_at_start(

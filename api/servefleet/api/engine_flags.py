@@ -331,6 +331,16 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         maximum=64,
     ),
     EngineFlag(
+        "pipeline_micro_batches",
+        "kernels",
+        "micro-batches (at most) a pipeline step of several sequences is cut into, so stages "
+        "overlap; 1: a step goes through the stages whole",
+        kind=int,
+        default=1,
+        minimum=1,
+        maximum=64,
+    ),
+    EngineFlag(
         "dist_timeout",
         "kernels",
         "seconds one collective waits for a peer rank before the group is declared lost",

@@ -6,7 +6,8 @@ included), the bytes it moves (the plan broadcast, the all-reduces of o/down/emb
 the logits gather: the bytes of the tensors rank 0 hands to collectives, not wire bytes)
 per generated token, and start-up (group join, load, shard, KV cache). Both sides get the
 same cores: TP=1 runs tp × pp × --threads torch threads, each rank --threads. `--pp 2`
-splits the compared model into 2 pipeline stages as well (TP × PP ranks).
+splits the compared model into 2 pipeline stages as well (TP × PP ranks), and
+`--micro-batches M` cuts its steps (`--pipeline-micro-batches`).
 On a 2-core CPU the split model is slower: the two ranks share the cores the single
 process had, and ~2 all-reduces a layer add latency; the figures say by how much.
 
@@ -129,12 +130,13 @@ def _rank_main(rank: int, world: int, port: int, job: tuple[Any, ...], results: 
 
 
 def measure(
-    model: str, tp: int, threads: int, batches: list[int], tokens: int, pp: int = 1
+    model: str, tp: int, threads: int, batches: list[int], tokens: int, pp: int = 1, micro: int = 1
 ) -> dict[str, Any]:
     settings = {
         "model": model,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "pipeline_micro_batches": micro,
         "threads": threads,
         "kv_cache_memory": "64MiB",
         "max_num_seqs": max(batches),
@@ -154,7 +156,8 @@ def measure(
     result: dict[str, Any] = results.get(timeout=900)
     for p in procs:
         p.join(60)
-    return {"tp": tp, "pp": pp, "label": _label(tp, pp), "threads_per_rank": threads, **result}
+    label = _label(tp, pp) + (f", {micro} micro-batches" if micro > 1 else "")
+    return {"tp": tp, "pp": pp, "label": label, "threads_per_rank": threads, **result}
 
 
 def _label(tp: int, pp: int) -> str:
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2, help="the split size compared with 1")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages of the split side")
+    parser.add_argument("--micro-batches", type=int, default=1, help="--pipeline-micro-batches")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed per batch")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each rank")
@@ -208,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
         ranks = args.tp * args.pp
         configs = [
             measure(model, 1, ranks * args.threads, args.batch, args.tokens),
-            measure(model, args.tp, args.threads, args.batch, args.tokens, args.pp),
+            measure(
+                model, args.tp, args.threads, args.batch, args.tokens, args.pp, args.micro_batches
+            ),
         ]
     one, split = configs[0]["runs"], configs[1]["runs"]
     fields = {

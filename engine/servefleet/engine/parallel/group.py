@@ -54,7 +54,8 @@ class ParallelGroup:
     tensor_size: int = 0  # TP: ranks per stage (0: every rank, i.e. one stage)
     tensor_group: dist.ProcessGroup | None = None  # this stage's (None: the whole group)
     stats: CommStats = field(default_factory=CommStats)
-    micro_batches: int = 0  # pipeline micro-batches run (`stages`), for tests and logs
+    micro_batch_parts: int = 1  # --pipeline-micro-batches: cut a step into up to this many
+    micro_batches_run: int = 0  # micro-batches of cut steps run (`stages`), for tests
 
     def __post_init__(self) -> None:
         self.tensor_size = self.tensor_size or self.world_size

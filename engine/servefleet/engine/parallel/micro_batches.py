@@ -1,6 +1,7 @@
 """A step's plan cut into micro-batches of whole sequences, so pipeline stages overlap.
 
-With P stages a step is cut into up to P micro-batches: stage s runs micro-batch m while
+With --pipeline-micro-batches M a step is cut into up to M micro-batches (M = P, the
+stages, fills the pipeline): stage s runs micro-batch m while
 stage s + 1 runs m - 1 (GPipe's schedule, inside one step; the scheduler still sees one
 step). A cut falls only between sequences (a decode row, or a whole prompt chunk), so
 each micro-batch is a smaller step of its own: its rows' attention reads only its own

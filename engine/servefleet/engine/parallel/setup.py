@@ -38,6 +38,11 @@ def check_parallel_settings(config: EngineConfig, place: RankPlace) -> None:
             f"{size} needs WORLD_SIZE={tp * pp} processes, "
             f"the environment says WORLD_SIZE={place.world_size}"
         )
+    if config.pipeline_micro_batches > 1 and pp == 1:
+        raise EngineSettingsError(
+            f"--pipeline-micro-batches {config.pipeline_micro_batches} needs "
+            "--pipeline-parallel-size > 1 (micro-batches overlap pipeline stages)"
+        )
     if tp * pp == 1:
         return
     refused = {
@@ -105,4 +110,6 @@ def join_rank(config: EngineConfig, place: RankPlace, device: torch.device) -> P
     """Join this replica's group: --pipeline-parallel-size stages of
     --tensor-parallel-size shards each."""
     tensor = config.tensor_parallel_size
-    return join_group(place, parallel_device(device, place), config.dist_timeout, tensor)
+    group = join_group(place, parallel_device(device, place), config.dist_timeout, tensor)
+    group.micro_batch_parts = config.pipeline_micro_batches
+    return group

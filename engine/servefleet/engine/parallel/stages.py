@@ -16,8 +16,9 @@ broadcast (one fewer collective a stage a step, and no rank waits on its stage's
 The last stage's vocabulary slices are gathered on its tensor rank 0, which alone sends
 the [N, vocab] logits to rank 0 (with one stage that is rank 0 itself).
 
-A step of several sequences runs as up to P micro-batches (`micro_batches`): a stage
-sends one on without waiting for it to arrive and runs the next, so stages overlap.
+With --pipeline-micro-batches M > 1 a step of several sequences runs as up to M
+micro-batches (`micro_batches`): a stage sends one on without waiting for it to arrive
+and runs the next, so stages overlap.
 Every stage keeps the embedding, final norm and lm_head (only the first and last use them).
 """
 
@@ -65,9 +66,9 @@ def stage_step(runner: ModelRunner, group: ParallelGroup, plan: StepPlan) -> tor
     micro-batch after another; rank 0 gets the whole vocabulary's logits back."""
     model = runner.model
     assert isinstance(model, LlamaForCausalLM)
-    parts = micro_batches(plan, group.stages)
+    parts = micro_batches(plan, group.micro_batch_parts)
     if len(parts) > 1:
-        group.micro_batches += len(parts)
+        group.micro_batches_run += len(parts)
     waits: list[Callable[[], None]] = []
     logits: list[torch.Tensor] = []
     for part in parts:
