@@ -149,7 +149,9 @@ def _rank_main(
              "MASTER_PORT": str(port)}
         )  # fmt: skip
         if rank == 0:
-            results.put((index, "outputs", _outputs(settings, *prompts)))
+            outputs = _outputs(settings, *prompts)
+            results.put((index, "micro_batches", outputs.pop("micro_batches")))
+            results.put((index, "outputs", outputs))
             leave_group()
         else:
             results.put((index, f"rank{rank}", run_worker(EngineConfig(**settings))))
@@ -164,7 +166,8 @@ def free_port() -> int:
 def run_split(
     runs: list[dict[str, Any]], prompts: list[list[int]], world: int, tokens: int = NEW_TOKENS
 ) -> list[dict[str, Any]]:
-    """Each run's rank-0 outputs and the other ranks' exit statuses, ranks as processes."""
+    """Each run's rank-0 outputs and micro-batch count and the other ranks' exit statuses,
+    ranks as processes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ports = [free_port() for _ in runs]
@@ -176,7 +179,7 @@ def run_split(
         p.start()
     got: list[dict[str, Any]] = [{} for _ in runs]
     try:
-        for _ in range(world * len(runs)):
+        for _ in range((world + 1) * len(runs)):  # rank 0 puts two results a run
             index, key, value = results.get(timeout=240)
             got[index][key] = value
     finally:
@@ -225,7 +228,7 @@ def test_split_greedy_equals_one_process_alone_and_batched(tiny: str) -> None:
     split = run_split(runs, PROMPTS, 2)
     for name, settings, got in zip(RUNS, runs, split, strict=True):
         assert got["rank1"] == 0, name
-        micro = got["outputs"].pop("micro_batches")  # the batched steps were cut, if asked
+        micro = got["micro_batches"]  # the batched steps were cut, if asked
         assert (micro > 0) == (settings.get("pipeline_micro_batches", 1) > 1), name
         expected = reference(settings, PROMPTS)
         assert expected["alone"] == expected["batched"], name
@@ -252,7 +255,7 @@ def test_tensor_and_pipeline_together_equal_one_process(tiny: str) -> None:
     split = run_split(runs, PROMPTS, 4)
     for name, settings, got in zip(GRID_RUNS, runs, split, strict=True):
         assert [got[f"rank{r}"] for r in (1, 2, 3)] == [0, 0, 0], name
-        micro = got["outputs"].pop("micro_batches")  # the batched steps were cut, if asked
+        micro = got["micro_batches"]  # the batched steps were cut, if asked
         assert (micro > 0) == (settings.get("pipeline_micro_batches", 1) > 1), name
         expected = reference(settings, PROMPTS)
         assert expected["alone"] == expected["batched"], name
