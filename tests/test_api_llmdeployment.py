@@ -99,7 +99,7 @@ NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
         ),
         (
             {"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 9}},
-            "not both at once",
+            "must not exceed 64",
         ),
         (
             {

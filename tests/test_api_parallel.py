@@ -35,6 +35,8 @@ def engine(kind: str, tp: int, pp: int, gpus: int) -> dict[str, Any]:
         ("servefleet", 1, 1, 0, 1),
         ("servefleet", 2, 1, 0, 2),  # one rank per pod
         ("servefleet", 1, 4, 1, 4),
+        ("servefleet", 2, 2, 0, 4),  # TP x PP ranks, one pod each
+        ("servefleet", 4, 2, 1, 8),
     ],
 )
 def test_pods_per_replica(kind: str, tp: int, pp: int, gpus: int, pods: int) -> None:
@@ -49,9 +51,9 @@ def test_pods_per_replica(kind: str, tp: int, pp: int, gpus: int, pods: int) -> 
         ("vllm", 4, 1, 2, parallel.TP_GPUS_MESSAGE),
         ("sglang", 2, 2, 0, parallel.TP_GPUS_MESSAGE),
         ("servefleet", 2, 1, 2, parallel.OURS_ONE_GPU_MESSAGE),
-        ("servefleet", 16, 8, 0, parallel.OURS_TP_OR_PP_MESSAGE),
+        ("servefleet", 16, 8, 0, parallel.OURS_TOO_MANY_MESSAGE),
         ("servefleet", 65, 1, 0, "less than or equal to 64"),
-        ("servefleet", 2, 2, 0, parallel.OURS_TP_OR_PP_MESSAGE),
+        ("servefleet", 2, 2, 2, parallel.OURS_ONE_GPU_MESSAGE),
     ],
 )
 def test_groups_that_do_not_make_whole_pods_are_refused(
@@ -89,7 +91,7 @@ def test_cel_rules_agree_with_pydantic(kind: str) -> None:
         for rule, message in _cel_rules()
         if "ParallelSize" in rule and "speculative" not in rule and "dtype" not in rule
     ]
-    assert len(rules) == 5
+    assert len(rules) == 4
     for tp in (1, 2, 4, 8, 16):
         for pp in (1, 2, 3, 8):
             for gpus in (0, 1, 2, 3, 4, 8):

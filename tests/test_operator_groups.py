@@ -82,6 +82,17 @@ def test_servefleet_ranks_meet_through_torch_env() -> None:
     assert worker["lifecycle"]["preStop"]["sleep"]["seconds"] == 30
 
 
+def test_servefleet_tensor_by_pipeline_spans_every_rank() -> None:
+    """TP=2 x PP=2: four pods, one rank each, both sizes passed to every rank."""
+    lws = lws_of(group("servefleet", 2, 2, 0))
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 4
+    for container in containers(lws):
+        args = container["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        assert args[args.index("--pipeline-parallel-size") + 1] == "2"
+        assert env(container)["WORLD_SIZE"] == "$(LWS_GROUP_SIZE)"
+
+
 def test_vllm_follows_its_lws_recipe() -> None:
     leader, worker = containers(lws_of(group("vllm", 8, 2, 8)))
     assert leader["command"][:2] == ["sh", "-c"]

@@ -1,6 +1,7 @@
-"""Tensor parallelism over gloo, ranks as processes on this machine: greedy output split
-over ranks equals one process's, alone and batched; a rank that dies takes the group down
-(non-zero exit, one log line) instead of hanging; what does not combine is refused by name."""
+"""Tensor and pipeline parallelism over gloo, ranks as processes on this machine: greedy
+output split over ranks (TP=2, PP=2, TP=2 x PP=2) equals one process's, alone and
+batched; a rank that dies takes the group down (non-zero exit, one log line) instead of
+hanging; what does not combine is refused by name."""
 
 from __future__ import annotations
 
@@ -119,19 +120,18 @@ def _greedy(
     return outputs
 
 
-def _outputs(
-    settings: dict[str, Any], prompts: list[list[int]], tokens: int
-) -> dict[str, list[list[int]]]:
+def _outputs(settings: dict[str, Any], prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     from servefleet.engine.parallel.setup import leader_group
     from servefleet.engine.process import build_engine, resolve_device
 
     config = EngineConfig(**settings)
     group = leader_group(config, resolve_device("cpu"))
     built = build_engine(config, group=group)
-    result = {
+    result: dict[str, Any] = {
         "alone": _greedy(built, prompts, False, tokens),
         "batched": _greedy(built, prompts, True, tokens),
     }
+    result["micro_batches"] = built.engine.runner.group.micro_batches_run
     built.engine.runner.close()
     return result
 
@@ -149,7 +149,9 @@ def _rank_main(
              "MASTER_PORT": str(port)}
         )  # fmt: skip
         if rank == 0:
-            results.put((index, "outputs", _outputs(settings, *prompts)))
+            outputs = _outputs(settings, *prompts)
+            results.put((index, "micro_batches", outputs.pop("micro_batches")))
+            results.put((index, "outputs", outputs))
             leave_group()
         else:
             results.put((index, f"rank{rank}", run_worker(EngineConfig(**settings))))
@@ -164,7 +166,8 @@ def free_port() -> int:
 def run_split(
     runs: list[dict[str, Any]], prompts: list[list[int]], world: int, tokens: int = NEW_TOKENS
 ) -> list[dict[str, Any]]:
-    """Each run's rank-0 outputs and the other ranks' exit statuses, ranks as processes."""
+    """Each run's rank-0 outputs and micro-batch count and the other ranks' exit statuses,
+    ranks as processes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     ports = [free_port() for _ in runs]
@@ -176,7 +179,7 @@ def run_split(
         p.start()
     got: list[dict[str, Any]] = [{} for _ in runs]
     try:
-        for _ in range(world * len(runs)):
+        for _ in range((world + 1) * len(runs)):  # rank 0 puts two results a run
             index, key, value = results.get(timeout=240)
             got[index][key] = value
     finally:
@@ -212,7 +215,10 @@ RUNS = {
         2,
         {"quantization": "int8", "kv_cache_dtype": "int8"},
     ),
-    "PP=2 (a layer a stage), C matmuls": (1, {"pipeline_parallel_size": 2}),
+    "PP=2 (a layer a stage), C matmuls, 2 micro-batches": (
+        1,
+        {"pipeline_parallel_size": 2, "pipeline_micro_batches": 2},
+    ),
 }
 
 
@@ -222,10 +228,87 @@ def test_split_greedy_equals_one_process_alone_and_batched(tiny: str) -> None:
     split = run_split(runs, PROMPTS, 2)
     for name, settings, got in zip(RUNS, runs, split, strict=True):
         assert got["rank1"] == 0, name
+        micro = got["micro_batches"]  # the batched steps were cut, if asked
+        assert (micro > 0) == (settings.get("pipeline_micro_batches", 1) > 1), name
         expected = reference(settings, PROMPTS)
         assert expected["alone"] == expected["batched"], name
         assert all(len(tokens) == NEW_TOKENS for tokens in expected["alone"]), name
         assert got["outputs"] == expected, name
+
+
+GRID_RUNS = {
+    "TP=2 x PP=2 (4 ranks), float32, torch matmuls, 2 micro-batches": {
+        "matmul": "torch",
+        "pipeline_micro_batches": 2,
+    },
+    "TP=2 x PP=2 (4 ranks), int8 packed at load, C matmuls, int8 KV, whole steps": {
+        "quantization": "int8",
+        "kv_cache_dtype": "int8",
+    },
+}
+
+
+def test_tensor_and_pipeline_together_equal_one_process(tiny: str) -> None:
+    """Two stages of two tensor shards each (rank = stage * 2 + shard): greedy output
+    equals one process's, alone and batched; one spawn of four ranks runs both cases."""
+    runs = [_settings(tiny, 2, pipeline_parallel_size=2, **extra) for extra in GRID_RUNS.values()]
+    split = run_split(runs, PROMPTS, 4)
+    for name, settings, got in zip(GRID_RUNS, runs, split, strict=True):
+        assert [got[f"rank{r}"] for r in (1, 2, 3)] == [0, 0, 0], name
+        micro = got["micro_batches"]  # the batched steps were cut, if asked
+        assert (micro > 0) == (settings.get("pipeline_micro_batches", 1) > 1), name
+        expected = reference(settings, PROMPTS)
+        assert expected["alone"] == expected["batched"], name
+        assert got["outputs"] == expected, name
+
+
+def test_ranks_are_laid_out_stage_major() -> None:
+    """vLLM's layout: rank = stage * TP + tensor rank; a stage's shards are consecutive."""
+    from servefleet.engine.parallel.group import ParallelGroup
+
+    cpu = torch.device("cpu")
+    places = [ParallelGroup(r, 6, cpu, tensor_size=2) for r in range(6)]
+    assert [(g.stage, g.tensor_rank, g.stage_leader) for g in places] == [
+        (0, 0, 0), (0, 1, 0), (1, 0, 2), (1, 1, 2), (2, 0, 4), (2, 1, 4),
+    ]  # fmt: skip
+    assert all(g.stages == 3 and g.pipeline for g in places)
+    only_tensor = ParallelGroup(1, 2, cpu)
+    assert (only_tensor.tensor_size, only_tensor.stages, only_tensor.pipeline) == (2, 1, False)
+
+
+def test_micro_batches_cut_between_sequences_and_rebase_rows() -> None:
+    """Two decode rows and two prompt chunks (3 and 4 rows) cut in two by token balance:
+    [decodes + first chunk | second chunk], each a step of its own from row 0."""
+    from servefleet.engine.attention import AttentionMetadata, PrefillSpan
+    from servefleet.engine.parallel.micro_batches import micro_batches
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(100, 109),
+        block_size=4,
+        num_decodes=2,
+        decode_block_tables=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+        decode_context_lens=torch.tensor([6, 2], dtype=torch.int32),
+        prefills=[
+            PrefillSpan(2, 5, 0, torch.tensor([7])),
+            PrefillSpan(5, 9, 4, torch.tensor([8, 9])),
+        ],
+    )
+    plan = StepPlan(torch.arange(9), torch.arange(20, 29), meta, [0, 1, 4, 8])
+    first, second = micro_batches(plan, 2)
+    assert (first.first, first.end, second.first, second.end) == (0, 5, 5, 9)
+    assert first.plan.ids.tolist() == [0, 1, 2, 3, 4] and first.plan.logit_rows == [0, 1, 4]
+    assert first.plan.meta.num_decodes == 2 and len(first.plan.meta.prefills) == 1
+    assert second.plan.meta.num_decodes == 0 and second.plan.meta.decode_block_tables is None
+    (span,) = second.plan.meta.prefills
+    assert (span.start, span.end, span.num_cached, span.block_table.tolist()) == (0, 4, 4, [8, 9])
+    assert second.plan.meta.slot_mapping.tolist() == [105, 106, 107, 108]
+    assert second.plan.positions.tolist() == [25, 26, 27, 28] and second.plan.logit_rows == [3]
+    (whole,) = micro_batches(plan, 1)
+    assert whole.plan is plan
+    chunk = PrefillSpan(0, 3, 0, torch.tensor([1]))
+    alone = AttentionMetadata(slot_mapping=torch.arange(3), block_size=4, prefills=[chunk])
+    one_sequence = StepPlan(torch.arange(3), torch.arange(3), alone, [2])
+    assert len(micro_batches(one_sequence, 4)) == 1  # a prompt chunk is never cut
 
 
 def test_plan_round_trips_through_its_tensors() -> None:
@@ -290,10 +373,17 @@ def test_shapes_that_do_not_split_are_refused_by_name() -> None:
         ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}, 2,
          "--speculative-config is not supported with --tensor-parallel-size 2"),
         ({"enable_lora": True}, 2, "--enable-lora is not supported"),
-        ({"pipeline_parallel_size": 2}, 4, "one or the other, not both together"),
+        ({"pipeline_parallel_size": 2}, 2,
+         "--tensor-parallel-size 2 with --pipeline-parallel-size 2 needs WORLD_SIZE=4"),
+        ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+          "pipeline_parallel_size": 2}, 4,
+         "--speculative-config is not supported with --tensor-parallel-size 2 with "
+         "--pipeline-parallel-size 2"),
         ({"enable_lora": True, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}, 2,
          "--enable-lora is not supported with --pipeline-parallel-size 2"),
         ({}, 3, "needs WORLD_SIZE=2 processes, the environment says WORLD_SIZE=3"),
+        ({"pipeline_micro_batches": 2}, 2,
+         "--pipeline-micro-batches 2 needs --pipeline-parallel-size > 1"),
     ],
 )  # fmt: skip
 def test_combinations_that_do_not_split_are_refused_at_start(

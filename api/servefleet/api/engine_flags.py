@@ -323,8 +323,18 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "pipeline_parallel_size",
         "kernels",
-        "processes one replica's layers are split over, in consecutive stages (not together "
-        "with --tensor-parallel-size)",
+        "processes one replica's layers are split over, in consecutive stages (each of "
+        "--tensor-parallel-size processes: TP × PP ranks)",
+        kind=int,
+        default=1,
+        minimum=1,
+        maximum=64,
+    ),
+    EngineFlag(
+        "pipeline_micro_batches",
+        "kernels",
+        "micro-batches (at most) a pipeline step of several sequences is cut into, so stages "
+        "overlap; 1: a step goes through the stages whole",
         kind=int,
         default=1,
         minimum=1,

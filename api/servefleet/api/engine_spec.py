@@ -13,7 +13,6 @@ from servefleet.api.parallel import (
     MAX_PODS_PER_REPLICA,
     OURS_ONE_GPU_MESSAGE,
     OURS_TOO_MANY_MESSAGE,
-    OURS_TP_OR_PP_MESSAGE,
     STAGE_PER_POD_MESSAGE,
     TP_GPUS_MESSAGE,
     group_refusal,
@@ -116,11 +115,6 @@ class EngineSpec(ApiModel):
                 cel_rule(
                     f"self.kind != 'servefleet' || {_CEL_RANKS} <= 1 || {_CEL_GPUS} <= 1",
                     OURS_ONE_GPU_MESSAGE,
-                ),
-                cel_rule(
-                    "self.kind != 'servefleet' || self.tensorParallelSize == 1 "
-                    "|| self.pipelineParallelSize == 1",
-                    OURS_TP_OR_PP_MESSAGE,
                 ),
                 cel_rule(
                     f"self.kind != 'servefleet' || {_CEL_RANKS} <= {MAX_PODS_PER_REPLICA}",

@@ -11,6 +11,7 @@ pipeline parallelism across pods.
 - servefleet (our engine): one process, hence one rank, per pod (at most one GPU each); a
   replica of TP × PP > 1 spans TP × PP pods, rank r of WORLD_SIZE = TP × PP being the
   pod of LeaderWorkerSet worker index r (torch's standard rendezvous variables below).
+  TP and PP combine as in vLLM: rank r is tensor shard r mod TP of pipeline stage r // TP.
 
 A group of pods is one replica everywhere: it is scaled, routed to (through its leader),
 counted ready and drained as a whole.
@@ -62,8 +63,6 @@ def group_refusal(kind: str, tensor: int, pipeline: int, gpus: int) -> str | Non
     if kind == "servefleet":
         if ranks > 1 and gpus > 1:
             return OURS_ONE_GPU_MESSAGE
-        if tensor > 1 and pipeline > 1:
-            return OURS_TP_OR_PP_MESSAGE
         if ranks > MAX_PODS_PER_REPLICA:
             return OURS_TOO_MANY_MESSAGE
         return None
@@ -86,10 +85,6 @@ STAGE_PER_POD_MESSAGE = (
 OURS_ONE_GPU_MESSAGE = (
     "engine.kind servefleet runs one rank per pod: with tensorParallelSize x "
     "pipelineParallelSize > 1 a pod has at most one GPU"
-)
-OURS_TP_OR_PP_MESSAGE = (
-    "engine.kind servefleet shards a replica by tensorParallelSize or by pipelineParallelSize, "
-    "not both at once yet"
 )
 OURS_TOO_MANY_MESSAGE = (
     f"engine.kind servefleet: tensorParallelSize x pipelineParallelSize (pods per replica) "

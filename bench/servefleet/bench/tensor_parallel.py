@@ -1,15 +1,17 @@
-"""Tensor parallelism's costs on this machine: TP=2 against TP=1, same model, same run.
+"""Tensor (and pipeline) parallelism's costs here: TP=2 against TP=1, same model, same run.
 
 Ranks are processes talking over gloo (TCP on loopback). Per decode step it records the
 step's time, the time rank 0 spends inside collectives (waiting for the slower rank
 included), the bytes it moves (the plan broadcast, the all-reduces of o/down/embedding,
 the logits gather: the bytes of the tensors rank 0 hands to collectives, not wire bytes)
 per generated token, and start-up (group join, load, shard, KV cache). Both sides get the
-same cores: TP=1 runs tp × --threads torch threads, each rank --threads.
+same cores: TP=1 runs tp × pp × --threads torch threads, each rank --threads. `--pp 2`
+splits the compared model into 2 pipeline stages as well (TP × PP ranks), and
+`--micro-batches M` cuts its steps (`--pipeline-micro-batches`).
 On a 2-core CPU the split model is slower: the two ranks share the cores the single
 process had, and ~2 all-reduces a layer add latency; the figures say by how much.
 
-    uv run python -m servefleet.bench.tensor_parallel [--tp 2] [--tokens 32] [--batch 1 4]
+    uv run python -m servefleet.bench.tensor_parallel [--tp 2] [--pp 1] [--tokens 32] [--batch 1 4]
 """
 
 from __future__ import annotations
@@ -127,22 +129,39 @@ def _rank_main(rank: int, world: int, port: int, job: tuple[Any, ...], results: 
         run_worker(EngineConfig(**settings))
 
 
-def measure(model: str, tp: int, threads: int, batches: list[int], tokens: int) -> dict[str, Any]:
-    settings = {"model": model, "tensor_parallel_size": tp, "threads": threads,
-                "kv_cache_memory": "64MiB", "max_num_seqs": max(batches)}  # fmt: skip
+def measure(
+    model: str, tp: int, threads: int, batches: list[int], tokens: int, pp: int = 1, micro: int = 1
+) -> dict[str, Any]:
+    settings = {
+        "model": model,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "pipeline_micro_batches": micro,
+        "threads": threads,
+        "kv_cache_memory": "64MiB",
+        "max_num_seqs": max(batches),
+    }
     job = (settings, batches, tokens)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, job, results)) for r in range(tp)]
+    world = tp * pp
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, job, results)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     result: dict[str, Any] = results.get(timeout=900)
     for p in procs:
         p.join(60)
-    return {"tp": tp, "threads_per_rank": threads, **result}
+    label = _label(tp, pp) + (f", {micro} micro-batches" if micro > 1 else "")
+    return {"tp": tp, "pp": pp, "label": label, "threads_per_rank": threads, **result}
+
+
+def _label(tp: int, pp: int) -> str:
+    return f"TP={tp}" + (f" x PP={pp}" if pp > 1 else "")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -155,20 +174,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for label, key in (("step ms", "step_ms"), ("in collectives, ms", "comm_ms_per_step")):
         for run in result["configs"]:
             xs = [r["batch"] for r in run["runs"]]
-            axes[0].plot(xs, [r[key] for r in run["runs"]], "o-", label=f"TP={run['tp']} {label}")
+            axes[0].plot(xs, [r[key] for r in run["runs"]], "o-", label=f"{run['label']} {label}")
     axes[0].set(xlabel="decode batch", ylabel="ms per step", title="decode step (rank 0)")
     axes[0].legend(fontsize=7)
     for run in result["configs"]:
         xs = [r["batch"] for r in run["runs"]]
         axes[1].plot(
-            xs, [r["bytes_per_token"] / 1024 for r in run["runs"]], "o-", label=f"TP={run['tp']}"
+            xs, [r["bytes_per_token"] / 1024 for r in run["runs"]], "o-", label=run["label"]
         )
     axes[1].set(
         xlabel="decode batch", ylabel="KiB per generated token", title="bytes moved (rank 0)"
     )
     axes[1].legend(fontsize=7)
     axes[2].bar(
-        [f"TP={r['tp']}" for r in result["configs"]], [r["startup_s"] for r in result["configs"]]
+        [r["label"] for r in result["configs"]], [r["startup_s"] for r in result["configs"]]
     )
     axes[2].set(ylabel="seconds", title="start-up (join, load, shard, KV)")
     fig.suptitle(result["note"], fontsize=8)
@@ -179,6 +198,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2, help="the split size compared with 1")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages of the split side")
+    parser.add_argument("--micro-batches", type=int, default=1, help="--pipeline-micro-batches")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed per batch")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each rank")
@@ -187,10 +208,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_model(Path(tmp) / "model")
-        # Same cores both ways: one process with tp × threads threads, tp ranks with threads.
+        # Same cores both ways: one process with ranks × threads threads, each rank threads.
+        ranks = args.tp * args.pp
         configs = [
-            measure(model, 1, args.tp * args.threads, args.batch, args.tokens),
-            measure(model, args.tp, args.threads, args.batch, args.tokens),
+            measure(model, 1, ranks * args.threads, args.batch, args.tokens),
+            measure(
+                model, args.tp, args.threads, args.batch, args.tokens, args.pp, args.micro_batches
+            ),
         ]
     one, split = configs[0]["runs"], configs[1]["runs"]
     fields = {
@@ -200,8 +224,9 @@ def main(argv: list[str] | None = None) -> None:
             s["step_ms"] / o["step_ms"] for s, o in zip(split, one, strict=True)
         ],
         "cores": os.cpu_count(),
-        "note": f"gloo over loopback, {os.cpu_count()} cores; TP={args.tp}: {args.threads} torch "
-        f"thread(s) a rank, TP=1: {args.tp * args.threads}; a shared machine: one run's ratios",
+        "note": f"gloo over loopback, {os.cpu_count()} cores; {_label(args.tp, args.pp)}: "
+        f"{args.threads} torch thread(s) a rank, TP=1: {ranks * args.threads}; a shared "
+        "machine: one run's ratios",
     }
     result = save_result(args.out, "tensor_parallel", fields, plot)
     print(json.dumps({k: result[k] for k in ("split_over_one_step_time",)}))

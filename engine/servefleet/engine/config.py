@@ -94,6 +94,7 @@ class EngineConfig(BaseModel):
     threads: int | None = knob("threads")
     tensor_parallel_size: int = knob("tensor_parallel_size")
     pipeline_parallel_size: int = knob("pipeline_parallel_size")
+    pipeline_micro_batches: int = knob("pipeline_micro_batches")
     dist_timeout: float = knob("dist_timeout")
 
     @field_validator("speculative_config", mode="before")

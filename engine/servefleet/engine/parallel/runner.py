@@ -2,8 +2,8 @@
 
 As in vLLM v1 and nano-vllm, only rank 0 schedules, holds block tables and samples. Each
 step it broadcasts the step's plan (`plan`), every rank runs its shard of the model on
-it (`stages.stage_step` when the ranks are pipeline stages), and the logits' vocabulary
-slices are gathered on rank 0, where the counter-based sampler picks tokens, so output
+it (`stages.stage_step`: its stage's layers, its tensor shard of them), and the logits'
+vocabulary slices come back to rank 0, where the counter-based sampler picks tokens, so output
 stays a pure function of (seed, position) whatever the split. The other ranks run
 `worker.run_worker`'s loop over the same plans.
 """
@@ -11,7 +11,6 @@ stays a pure function of (seed, position) whatever the split. The other ranks ru
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -22,8 +21,6 @@ from servefleet.engine.parallel.stages import stage_step
 from servefleet.engine.runner import CausalLM, ModelRunner
 
 log = logging.getLogger("servefleet.engine.parallel")
-
-StepFn = Callable[[ModelRunner, ParallelGroup, StepPlan], torch.Tensor | None]
 
 
 class ParallelRunner(ModelRunner):
@@ -54,7 +51,7 @@ class ParallelRunner(ModelRunner):
         self.group.broadcast(head)
         self.group.broadcast(payload)
         self.plan_bytes += 8 * (head.numel() + payload.numel())
-        return step_for(self.group)(self, self.group, StepPlan(ids, pos, meta, logit_rows))
+        return stage_step(self, self.group, StepPlan(ids, pos, meta, logit_rows))
 
     def idle(self) -> None:
         self.group.broadcast(header(Command.IDLE))
@@ -67,22 +64,6 @@ class ParallelRunner(ModelRunner):
                 self.group.broadcast(header(Command.STOP))
             except GroupLostError as exc:  # draining anyway: the others exit on their own
                 log.warning("tensor_parallel_stop_not_sent: %s", exc)
-
-
-def shard_step(runner: ModelRunner, group: ParallelGroup, plan: StepPlan) -> torch.Tensor | None:
-    """This rank's share of a step; rank 0 gets the whole vocabulary's logits back."""
-    hidden = runner.model.forward(plan.ids, plan.positions, runner.kv_caches, plan.meta)
-    if not plan.logit_rows:
-        return None
-    rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=hidden.device)
-    local = runner.model.compute_logits(hidden.index_select(0, rows)).float()
-    gathered = group.gather_columns(local)
-    return None if gathered is None else gathered.cpu()
-
-
-def step_for(group: ParallelGroup) -> StepFn:
-    """How this group splits a step: by pipeline stage or by tensor shard."""
-    return stage_step if group.pipeline else shard_step
 
 
 @torch.inference_mode()
@@ -100,5 +81,5 @@ def follow_plans(runner: ModelRunner, group: ParallelGroup) -> int:
             continue
         payload = torch.empty(int(head[7]), dtype=torch.long)
         group.broadcast(payload)
-        step_for(group)(runner, group, decode(head, payload, runner.block_size, runner.device))
+        stage_step(runner, group, decode(head, payload, runner.block_size, runner.device))
         steps += 1

@@ -2,10 +2,10 @@
 
 Refused by name (one line, exit 2), because they would be wrong rather than slow split
 over ranks: speculative decoding (its draft model and verification are one process's),
-LoRA adapters (their low-rank products are not split), tensor and pipeline parallelism
-together (not implemented), and a WORLD_SIZE other than the ranks the sizes need. KV-block transfer
-and embeddings are turned off rather than refused (their endpoints answer 400): they read
-one process's KV cache or hidden states, which hold only that rank's heads.
+LoRA adapters (their low-rank products are not split), and a WORLD_SIZE other than the
+TP × PP ranks the sizes need. KV-block transfer and embeddings are turned off rather than
+refused (their endpoints answer 400): they read one process's KV cache or hidden states,
+which hold only that rank's heads (or layers).
 """
 
 from __future__ import annotations
@@ -29,20 +29,22 @@ log = logging.getLogger("servefleet.engine.parallel")
 def check_parallel_settings(config: EngineConfig, place: RankPlace) -> None:
     """Refuse what does not combine with a split model (`EngineSettingsError`, one line)."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if tp > 1 and pp > 1:
-        raise EngineSettingsError(
-            f"--tensor-parallel-size {tp} with --pipeline-parallel-size {pp}: one or the "
-            "other, not both together (not implemented)"
-        )
+    sizes = [f"--tensor-parallel-size {tp}"] if tp > 1 or pp == 1 else []
+    if pp > 1:
+        sizes.append(f"--pipeline-parallel-size {pp}")
+    size = " with ".join(sizes)
     if place.world_size != tp * pp:
-        flag = "--pipeline-parallel-size" if pp > 1 else "--tensor-parallel-size"
         raise EngineSettingsError(
-            f"{flag} {tp * pp} needs WORLD_SIZE={tp * pp} processes, "
+            f"{size} needs WORLD_SIZE={tp * pp} processes, "
             f"the environment says WORLD_SIZE={place.world_size}"
+        )
+    if config.pipeline_micro_batches > 1 and pp == 1:
+        raise EngineSettingsError(
+            f"--pipeline-micro-batches {config.pipeline_micro_batches} needs "
+            "--pipeline-parallel-size > 1 (micro-batches overlap pipeline stages)"
         )
     if tp * pp == 1:
         return
-    size = f"--pipeline-parallel-size {pp}" if pp > 1 else f"--tensor-parallel-size {tp}"
     refused = {
         "--speculative-config": config.speculative_config is not None,
         "--enable-lora": config.enable_lora,
@@ -63,18 +65,26 @@ def parallel_device(device: torch.device, place: RankPlace) -> torch.device:
 
 def attach_group(loaded: LoadedModel, group: ParallelGroup) -> None:
     """Make the loaded share a rank of `group`: a tensor shard's partial sums meet in
-    all-reduces; a pipeline stage hands its output to the next stage."""
+    all-reduces within its stage; a pipeline stage hands its output to the next stage."""
     if group.pipeline:
-        loaded.model.set_pipeline_stage(last=group.rank == group.world_size - 1)
-        return
-    loaded.model.set_tensor_parallel(group.all_reduce, group.rank * loaded.config.vocab_size)
+        loaded.model.set_pipeline_stage(last=group.stage == group.stages - 1)
+    if group.tensor_size > 1:
+        vocab_start = group.tensor_rank * loaded.config.vocab_size  # the shard's own rows
+        loaded.model.set_tensor_parallel(group.all_reduce, vocab_start)
 
 
 def shard_for(group: ParallelGroup) -> Callable[[Checkpoint], Checkpoint]:
-    """The checkpoint transform giving `group`'s rank its share."""
-    if group.pipeline:
-        return lambda checkpoint: stage_checkpoint(checkpoint, group.rank, group.world_size)
-    return lambda checkpoint: shard_checkpoint(checkpoint, group.rank, group.world_size)
+    """The checkpoint transform giving `group`'s rank its share: its stage's layers, then
+    its tensor shard of those (heads, KV heads, MLP columns, vocabulary rows)."""
+
+    def share(checkpoint: Checkpoint) -> Checkpoint:
+        if group.pipeline:
+            checkpoint = stage_checkpoint(checkpoint, group.stage, group.stages)
+        if group.tensor_size > 1:
+            checkpoint = shard_checkpoint(checkpoint, group.tensor_rank, group.tensor_size)
+        return checkpoint
+
+    return share
 
 
 def this_place() -> RankPlace:
@@ -97,6 +107,9 @@ def leader_group(config: EngineConfig, device: torch.device) -> ParallelGroup | 
 
 
 def join_rank(config: EngineConfig, place: RankPlace, device: torch.device) -> ParallelGroup:
-    """Join this replica's group, as tensor shards or as pipeline stages."""
-    pipeline = config.pipeline_parallel_size > 1
-    return join_group(place, parallel_device(device, place), config.dist_timeout, pipeline)
+    """Join this replica's group: --pipeline-parallel-size stages of
+    --tensor-parallel-size shards each."""
+    tensor = config.tensor_parallel_size
+    group = join_group(place, parallel_device(device, place), config.dist_timeout, tensor)
+    group.micro_batch_parts = config.pipeline_micro_batches
+    return group
