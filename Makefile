@@ -40,11 +40,10 @@ lint: setup
 typecheck: setup
 	$(UV) run mypy
 
-# In parallel (pytest-xdist), one worker more than cores, three to five: every test starts its
-# own servers and engines on free ports and writes only under its own temporary folder or
-# atomic caches, and many wait on the processes they start (a model loading), so a worker
-# per core alone leaves the cores idle.
-UNIT_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); [ $$n -lt 3 ] && n=3; [ $$n -gt 5 ] && n=5; echo $$n)
+# In parallel (pytest-xdist), a worker per core, two to four: every test starts its own servers
+# and engines on free ports and writes only under its own temporary folder or atomic caches.
+# (A third worker on two cores was no faster: the cores are busy throughout.)
+UNIT_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 2 ] && n=2; [ $$n -gt 4 ] && n=4; echo $$n)
 unit: setup
 	$(UV) run pytest tests -q -n $(UNIT_WORKERS) --durations=25
 

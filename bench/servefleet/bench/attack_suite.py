@@ -134,7 +134,7 @@ def rejudge_after_quiet(
 ) -> None:
     """Only the victim's p99 moved: measure it alone once more, just after the attack, and
     judge against the slower of the two quiet windows. A p99 of a few dozen requests on two
-    cores shared with other tests (`make test` runs the node tests beside this suite) swings
+    cores shared with other tests (`make test` runs the cluster tests beside this suite) swings
     2x between quiet windows; a slowdown that outlasts the attack still fails, because the
     victim's median after it must stay within the same factor of its median before."""
     after, _ = _window(target, QUIET_S, lambda: None)
