@@ -33,8 +33,9 @@ import torch
 from servefleet.engine.attention import AttentionMetadata
 from servefleet.engine.config import EngineConfig
 from servefleet.engine.kernels.matmul import SmallRowsMatmul
+from servefleet.engine.model.decoder_layer import DecoderLayer
 from servefleet.engine.model.kv_layout import allocate_kv_cache
-from servefleet.engine.model.llama import DecoderLayer, LlamaForCausalLM
+from servefleet.engine.model.llama import LlamaForCausalLM
 from servefleet.engine.process import load_for
 
 NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")

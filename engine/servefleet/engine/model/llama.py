@@ -9,7 +9,7 @@ handed to the matmul backend as it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,133 +25,11 @@ from servefleet.engine.kernels.matmul import TORCH_MATMUL, Matmul, SmallRowsMatm
 from servefleet.engine.kernels.packed_weights import PackedWeight, PackingError
 from servefleet.engine.model.config import ModelConfig
 from servefleet.engine.model.decode_program import build_decode_layers, lora_step_in_c
+from servefleet.engine.model.decoder_layer import DecoderLayer, Reduce, parameter
 from servefleet.engine.model.kv_layout import KVCache
 from servefleet.engine.model.rope import rope_table
 from servefleet.engine.model.weights import LM_HEAD, MissingWeightError, projection_shapes
 from servefleet.engine.parallel.embedding import vocab_parallel_embedding
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _weight(*shape: int, factory: dict[str, Any], fill: float | None = None) -> nn.Parameter:
-    tensor = torch.empty(*shape, **factory) if fill is None else torch.full(shape, fill, **factory)
-    return nn.Parameter(tensor, requires_grad=False)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        attn_impl: PagedAttention,
-        factory: dict[str, Any],
-        index: int = 0,
-    ) -> None:
-        super().__init__()
-        self.index = index  # which layer of an adapter's weights apply here
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.eps = config.rms_norm_eps
-        self.scale = config.head_dim**-0.5
-        self.attn_impl = attn_impl
-        self.matmul: Matmul = TORCH_MATMUL
-        self.lora_kernel: LoraKernel | None = None  # None: adapters' products in PyTorch
-        self.reduce: Reduce = _whole  # tensor parallel: the all-reduce of o's and down's partials
-        hidden = config.hidden_size
-        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.input_norm = _weight(hidden, factory=factory, fill=1.0)
-        # Projection weights are stored [in, out]: `x @ w` on that layout is markedly faster
-        # than F.linear on [out, in] for the few-row matmuls of decode steps on CPU.
-        self.qkv_weight = _weight(hidden, qkv_out, factory=factory)
-        self.qkv_bias = (
-            _weight(qkv_out, factory=factory, fill=0.0) if config.attention_bias else None
-        )
-        self.o_weight = _weight(config.num_heads * config.head_dim, hidden, factory=factory)
-        self.o_bias = _weight(hidden, factory=factory, fill=0.0) if config.output_bias else None
-        self.post_attn_norm = _weight(hidden, factory=factory, fill=1.0)
-        self.gate_up_weight = _weight(hidden, 2 * config.intermediate_size, factory=factory)
-        self.down_weight = _weight(config.intermediate_size, hidden, factory=factory)
-        # Packed (quantized) forms of the projections, by parameter name, when the
-        # checkpoint had them; the float32 parameter is then None (same values, 3.5-5x
-        # the bytes: a model never holds both).
-        self.packed: dict[str, PackedWeight] = {}
-
-    def projection(self, name: str) -> torch.Tensor | PackedWeight:
-        """A projection weight in the form this layer holds it."""
-        packed = self.packed.get(name)
-        return packed if packed is not None else getattr(self, name)
-
-    def _mm(
-        self,
-        x: torch.Tensor,
-        name: str,
-        meta: AttentionMetadata,
-        bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x @ W (+ bias), plus the step's adapters' low-rank products on their rows."""
-        out = self.matmul.mm(x, self.projection(name), bias)
-        if meta.lora is not None:
-            meta.lora.add(self.index, name, x, out, self.lora_kernel)
-        return out
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        x = F.rms_norm(hidden, self.input_norm.shape, self.input_norm, self.eps)
-        qkv = self._mm(x, "qkv_weight", meta, self.qkv_bias)
-        qk = qkv[:, : (heads + kv_heads) * hd].view(num_tokens, heads + kv_heads, hd)
-        v = qkv[:, (heads + kv_heads) * hd :].view(num_tokens, kv_heads, hd)
-        half = hd // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = torch.addcmul(qk * cos, rotated, sin)
-        attn = self.attn_impl(
-            qk[:, :heads], qk[:, heads:], v, kv_cache[0], kv_cache[1], meta, self.scale
-        )
-        attn_out = self._mm(attn.reshape(num_tokens, heads * hd), "o_weight", meta, self.o_bias)
-        attn_out = self.reduce(attn_out)
-        hidden = hidden + attn_out
-        x = F.rms_norm(hidden, self.post_attn_norm.shape, self.post_attn_norm, self.eps)
-        gate_up = self._mm(x, "gate_up_weight", meta)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + self.reduce(self._mm(F.silu(gate) * up, "down_weight", meta))
-
-    def forward_fused(
-        self,
-        hidden: torch.Tensor,
-        delta: torch.Tensor | None,
-        positions: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        ops: CpuFusedOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with the residual carried as (hidden, delta) and the small ops fused:
-        the previous layer's output is hidden + delta; this returns its own pair."""
-        num_tokens = hidden.shape[0]
-        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
-        qkv = self._mm(x, "qkv_weight", meta, self.qkv_bias)
-        if not qkv.is_contiguous():  # rope_kv_unchecked writes through raw pointers
-            qkv = qkv.contiguous()
-        ops.rope_kv_unchecked(  # the model checked the step's tensors once (forward)
-            qkv, heads, kv_heads, hd, positions, rope[0], rope[1],
-            kv_cache[0], kv_cache[1], meta.slot_mapping,
-        )  # fmt: skip
-        q = qkv[:, : heads * hd].view(num_tokens, heads, hd)
-        attn = self.attn_impl.attend(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        attn_out = self._mm(attn.reshape(num_tokens, heads * hd), "o_weight", meta, self.o_bias)
-        attn_out = self.reduce(attn_out)
-        x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
-        gate_up = self._mm(x, "gate_up_weight", meta)
-        act = ops.silu_mul(gate_up)
-        return hidden, self.reduce(self._mm(act, "down_weight", meta))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,14 +54,14 @@ class LlamaForCausalLM(nn.Module):
         self.last_stage = True  # False: a pipeline stage handing its sum to the next
         self.max_positions = max_positions or config.max_position_embeddings
         vocab, hidden = config.vocab_size, config.hidden_size
-        self.embed_tokens = _weight(vocab, hidden, factory=factory)
+        self.embed_tokens = parameter(vocab, hidden, factory=factory)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.attn_impl, factory, index)
             for index in range(config.num_layers)
         )
-        self.norm = _weight(hidden, factory=factory, fill=1.0)
+        self.norm = parameter(hidden, factory=factory, fill=1.0)
         self.lm_head = (
-            None if config.tie_word_embeddings else _weight(vocab, hidden, factory=factory)
+            None if config.tie_word_embeddings else parameter(vocab, hidden, factory=factory)
         )
         self.packed_lm_head: PackedWeight | None = None
         self.fused_ops: CpuFusedOps | None = None
@@ -438,11 +316,6 @@ class LlamaForCausalLM(nn.Module):
             raise MissingWeightError(f"weights lack tensors: {sorted(missing)[:5]}")
         self.load_state_dict(converted, strict=True, assign=True)
         self._build_rope()
-
-
-def _whole(partial: torch.Tensor) -> torch.Tensor:
-    """One process holds the whole model: a projection's output is already the sum."""
-    return partial
 
 
 def _check_packable(dtype: torch.dtype, device: torch.device) -> None:
