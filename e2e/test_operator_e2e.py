@@ -67,6 +67,18 @@ def status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
     return result
 
 
+def pool_state(kube: Kube, ns: str, name: str) -> dict[str, Any]:
+    """What a failed wait on a pool reports: its status, its Deployment's, its pods'."""
+    deployment = kube.get("deployment", f"{name}-engine", ns) or {}
+    pods = {p["metadata"]["name"]: is_ready(p) for p in kube.list("pods", ns, selector(name))}
+    return {
+        "llmd": {k: v for k, v in status(kube, ns, name).items() if "eplicas" in k},
+        "deployment": {"spec": deployment.get("spec", {}).get("replicas"),
+                       "status": deployment.get("status")},
+        "pods ready": pods,
+    }  # fmt: skip
+
+
 def reconciled(obj: dict[str, Any] | None) -> bool:
     """Status written for the object's current spec (the operator's first pass also sets an
     unset spec.replicas through the scale subresource, which is a second generation)."""
@@ -378,7 +390,16 @@ def test_kubectl_scale_changes_the_pool(
             and s.get("replicas") == 3
         ),
         timeout=60,
+        describe=lambda: pool_state(kube, namespace, "scaled"),
     )
+    # The operator writes the warm minimum over the version it read only: on this API server
+    # a write through the scale subresource over an older version is refused.
+    stale = {"metadata": {"resourceVersion": "1"}, "spec": {"replicas": 1}}
+    refused = kube.kubectl_result(
+        "patch", "llmd/scaled", "-n", namespace, "--subresource=scale", "--type=merge",
+        "-p", json.dumps(stale),
+    )  # fmt: skip
+    assert refused.returncode != 0 and "modified" in refused.stdout + refused.stderr, refused
     scale = json.loads(
         kube.kubectl(
             "get",
@@ -443,7 +464,10 @@ def test_spec_change_rolls_out_keeping_the_warm_minimum(
     )
     kube.mark_pods_ready(namespace, selector("rolling"))
     wait_for(
-        "3 ready", lambda: status(kube, namespace, "rolling").get("readyReplicas") == 3, timeout=60
+        "3 ready",
+        lambda: status(kube, namespace, "rolling").get("readyReplicas") == 3,
+        timeout=60,
+        describe=lambda: pool_state(kube, namespace, "rolling"),
     )
     old_hash = {
         p["metadata"]["labels"]["pod-template-hash"]

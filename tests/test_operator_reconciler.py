@@ -21,7 +21,8 @@ from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.kube import KubeAccess, KubeError, ObjectList
 from servefleet.kube.resources import Resource
 from servefleet.operator.handlers import build_registry, engine_needs_repair, plain
-from servefleet.operator.reconciler import OperatorSettings, Reconciler
+from servefleet.operator.reconciler import Reconciler
+from servefleet.operator.settings import OperatorSettings
 from servefleet.operator.status import EventSpec
 
 KEY = SecretBytes(b"a-route-signing-key-for-tests")
@@ -40,10 +41,20 @@ class RecordingClient:
         self.pods: list[dict[str, Any]] = []
 
     async def set_scale(
-        self, resource: Resource, namespace: str, name: str, replicas: int, manager: str
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        replicas: int,
+        manager: str,
+        resource_version: str | None = None,
     ) -> None:
         assert resource.kind == "LLMDeployment"
         self.scaled.append((name, replicas, manager))
+
+    def store(self, dep: LLMDeployment) -> None:
+        """Hold `dep` as the API server would (the reconciler reads it again under its lock)."""
+        self.objects["LLMDeployment", dep.name] = dep.model_dump(by_alias=True, mode="json")
 
     async def create(self, obj: dict[str, Any], field_manager: str) -> bool:
         assert field_manager == "servefleet-operator"
@@ -69,6 +80,8 @@ class RecordingClient:
     ) -> dict[str, Any]:
         assert (resource.kind, manager) == ("LLMDeployment", "servefleet-operator")
         self.status_patches.append(copy.deepcopy(patch))
+        if stored := self.objects.get(("LLMDeployment", name)):
+            stored["status"] = copy.deepcopy(patch["status"])
         return patch
 
     async def list(
@@ -104,6 +117,15 @@ def dep(status: dict[str, Any] | None = None) -> LLMDeployment:
     )
 
 
+class StoringReconciler(Reconciler):
+    """Reconciles what a test hands it: the object is stored in the fake client first, as the
+    API server would hold it, because `reconcile` reads the object again under its lock."""
+
+    async def reconcile(self, dep: LLMDeployment, *, follow: bool = True) -> None:
+        self.client.store(dep)  # type: ignore[attr-defined]
+        await super().reconcile(dep, follow=follow)
+
+
 def reconciler(client: RecordingClient, events: list[EventSpec]) -> Reconciler:
     settings = OperatorSettings(
         engine_image="img:1", gateway_url="http://gw:8080/", route_signing_key=KEY
@@ -112,7 +134,7 @@ def reconciler(client: RecordingClient, events: list[EventSpec]) -> Reconciler:
     async def record(target: dict[str, Any], event: EventSpec) -> None:
         events.append(event)
 
-    return Reconciler(client, settings, post_event=record)  # type: ignore[arg-type]
+    return StoringReconciler(client, settings, post_event=record)  # type: ignore[arg-type]
 
 
 async def test_reconcile_applies_children_and_writes_status_once() -> None:
@@ -282,7 +304,7 @@ async def test_events_go_through_our_client_and_never_fail_a_reconcile(fail: boo
     settings = OperatorSettings(
         engine_image="img:1", gateway_url="http://gw:8080/", route_signing_key=KEY
     )
-    await Reconciler(client, settings).reconcile(dep())  # type: ignore[arg-type]
+    await StoringReconciler(client, settings).reconcile(dep())  # type: ignore[arg-type]
     assert len(client.status_patches) == 1
     expected = [] if fail else [("m", "WarmPoolNotReady", "servefleet-operator")]
     assert client.events[:1] == expected
@@ -351,3 +373,68 @@ async def test_a_refused_spec_applies_nothing_and_says_why() -> None:
     assert conditions["Progressing"]["status"] == "False"
     warning = next(e for e in events if e.type == "Warning")
     assert warning.reason == "ImageNotAllowed" and "evil.example/miner:1" in warning.message
+
+
+def plain_reconciler(client: RecordingClient) -> Reconciler:
+    """One that reconciles the object the fake holds, whatever body it is handed."""
+    settings = OperatorSettings(engine_image="i:1", gateway_url="http://gw", route_signing_key=KEY)
+
+    async def ignore(target: dict[str, Any], event: EventSpec) -> None:
+        pass
+
+    return Reconciler(client, settings, post_event=ignore)  # type: ignore[arg-type]
+
+
+def _engine_replicas(client: RecordingClient) -> int:
+    return int(client.objects["Deployment", "m-engine"]["spec"]["replicas"])
+
+
+async def test_a_stale_body_never_shrinks_the_pool() -> None:
+    """A drift pass listed the object before `kubectl scale` (or the autoscaler) set 3 and
+    then waited for the lock: what it applies is the object as it is now, not the list's."""
+    client = RecordingClient()
+    now = dep()
+    now.spec.replicas = 3
+    client.store(now)
+    await plain_reconciler(client).reconcile(dep())
+    assert client.scaled == [] and _engine_replicas(client) == 3
+    del client.objects["LLMDeployment", "m"]
+    client.applied.clear()
+    await plain_reconciler(client).reconcile(dep())
+    assert client.applied == []  # deleted meanwhile: nothing is put back
+
+
+class ScaledMeanwhile(RecordingClient):
+    """The first write of the minimum loses a race with `kubectl scale --replicas=3`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: list[str | None] = []
+
+    async def set_scale(
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        replicas: int,
+        manager: str,
+        resource_version: str | None = None,
+    ) -> None:
+        self.versions.append(resource_version)
+        stored = self.objects["LLMDeployment", name]
+        if len(self.versions) == 1:  # between our read and our write
+            stored["spec"]["replicas"] = 3
+            stored["metadata"]["resourceVersion"] = "8"
+        if stored["metadata"]["resourceVersion"] != resource_version:
+            raise KubeError(409, "the object has been modified")
+        await super().set_scale(resource, namespace, name, replicas, manager, resource_version)
+
+
+async def test_the_minimum_is_written_only_over_the_version_read() -> None:
+    client = ScaledMeanwhile()
+    unset = dep()
+    unset.metadata.resource_version = "7"
+    client.store(unset)
+    await plain_reconciler(client).reconcile(unset)
+    assert client.versions == ["7"]  # refused; the count read again is the one set meanwhile
+    assert _engine_replicas(client) == 3

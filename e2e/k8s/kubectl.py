@@ -28,9 +28,14 @@ class CommandFailed(AssertionError):
 
 
 def wait_for(
-    what: str, check: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.3
+    what: str,
+    check: Callable[[], T | None],
+    timeout: float = 60.0,
+    interval: float = 0.3,
+    describe: Callable[[], object] | None = None,
 ) -> T:
-    """Poll until `check` returns something truthy; fail with `what` after `timeout`."""
+    """Poll until `check` returns something truthy; fail with `what` after `timeout`, and
+    with what `describe` returns then (the state that never came right)."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:
@@ -41,8 +46,9 @@ def wait_for(
         except (CommandFailed, KeyError, IndexError, TypeError) as exc:
             last_error = exc
         time.sleep(interval)
+    seen = f"; seen: {describe()}" if describe is not None else ""
     raise AssertionError(
-        f"timed out after {timeout}s waiting for {what} (last error: {last_error})"
+        f"timed out after {timeout}s waiting for {what} (last error: {last_error}){seen}"
     )
 
 

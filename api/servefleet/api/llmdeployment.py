@@ -393,6 +393,9 @@ class ObjectMeta(BaseModel):
     generation: int | None = Field(
         default=None, description="Spec generation assigned by the API server."
     )
+    resource_version: str | None = Field(
+        default=None, description="The version read (for writes that must not race another)."
+    )
 
 
 class LLMDeployment(ApiModel):

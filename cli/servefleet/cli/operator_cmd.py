@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from servefleet.kube import KubeAccess, KubeError
     from servefleet.operator.handlers import build_registry
     from servefleet.operator.policy import default_allowed_images
-    from servefleet.operator.reconciler import OperatorSettings
+    from servefleet.operator.settings import OperatorSettings
 
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("servefleet.operator")

@@ -248,15 +248,24 @@ class KubeClient:
         return None if replicas is None else int(replicas)
 
     async def set_scale(
-        self, resource: Resource, namespace: str, name: str, replicas: int, field_manager: str
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        replicas: int,
+        field_manager: str,
+        resource_version: str | None = None,
     ) -> None:
-        """Write `spec.replicas` through the scale subresource, as an HPA does."""
-        path = resource.path(namespace, name, "scale")
+        """Write `spec.replicas` through the scale subresource, as an HPA does. With
+        `resource_version`, only over that version of the object (else a KubeError 409)."""
+        body: Object = {"spec": {"replicas": replicas}}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         await self._required(
             "PATCH",
-            path,
+            resource.path(namespace, name, "scale"),
             query={"fieldManager": field_manager},
-            body={"spec": {"replicas": replicas}},
+            body=body,
             content_type=MERGE_PATCH,
         )
 

@@ -24,7 +24,8 @@ from servefleet.api.conventions import (
 from servefleet.api.llmadapter import ADAPTER_PLURAL, LLMAdapter
 from servefleet.api.llmdeployment import API_GROUP, API_VERSION, PLURAL, LLMDeployment
 from servefleet.kube import KubeAccess, KubeError
-from servefleet.operator.reconciler import OperatorSettings, Reconciler
+from servefleet.operator.reconciler import Reconciler
+from servefleet.operator.settings import OperatorSettings
 
 log = logging.getLogger("servefleet.operator")
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from pydantic import BaseModel, ConfigDict, Field, SecretBytes, ValidationError
+from pydantic import ValidationError
 
 from servefleet.api.conventions import FIELD_MANAGER_OPERATOR, POD_DELETION_COST
 from servefleet.api.fetch_progress import FETCH_CONTAINER
@@ -33,13 +33,13 @@ from servefleet.operator import render
 from servefleet.operator.adapter_sync import AdapterSync, NamespaceAdapters
 from servefleet.operator.groups import as_deployment_status, is_group
 from servefleet.operator.model_loading import LOG_TAIL_LINES, fetching_pods
-from servefleet.operator.policy import default_allowed_images
 from servefleet.operator.pool_cleanup import (
     missing_group_api,
     remove_other_workload,
     remove_prefill_pool,
 )
 from servefleet.operator.pools import prefill_object_name
+from servefleet.operator.settings import OperatorSettings
 from servefleet.operator.status import (
     EventSpec,
     Observed,
@@ -49,44 +49,6 @@ from servefleet.operator.status import (
 )
 
 log = logging.getLogger("servefleet.operator")
-
-
-class OperatorSettings(BaseModel):
-    """How this operator instance runs (from the command line / chart values)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    namespaces: list[str] = Field(
-        default_factory=list, description="Namespaces to watch; empty = all."
-    )
-    engine_image: str = Field(description="Image for servefleet engine pods and model fetchers.")
-    gateway_url: str = Field(description="Base URL of the gateway Service, for status.endpoint.")
-    image_pull_policy: str = Field(
-        default="IfNotPresent", description="Pull policy of engine pods."
-    )
-    route_signing_key: SecretBytes = Field(
-        description="HMAC key of the route ConfigMaps (the gateway serves only signed ones)."
-    )
-    system_namespace: str = Field(
-        default="servefleet",
-        description="The chart's namespace: engine pods admit its gateway and autoscaler pods.",
-    )
-    metrics_namespaces: list[str] = Field(
-        default_factory=list, description="Namespaces whose pods (Prometheus) may scrape engines."
-    )
-    allowed_images: list[str] = Field(
-        default_factory=lambda: list(default_allowed_images()),
-        description="Engine images teams may use besides engine_image (see policy).",
-    )
-    host_path_prefixes: list[str] = Field(
-        default_factory=list, description="Node folders a hostPath cache may be in or under."
-    )
-    resync_seconds: float = Field(default=30.0, gt=0, description="Drift-repair period per object.")
-    service_monitor_check_seconds: float = Field(
-        default=300.0,
-        gt=0,
-        description="How often to re-check whether the ServiceMonitor CRD exists.",
-    )
 
 
 def _now() -> str:
@@ -152,6 +114,11 @@ class Reconciler:
         whose accepted adapters this pass changed are reconciled next (once, no further)."""
         judged: NamespaceAdapters | None = None
         async with self._lock(dep.namespace, dep.name):
+            # Read again under the lock: an event's or a list's body may predate a write made
+            # while another pass held it, and its stale spec.replicas would shrink the pool.
+            if (live := await self._read_live(dep.namespace, dep.name)) is None:
+                return  # deleted meanwhile, or now invalid (the spec handlers say so)
+            dep = live
             refused = render.refusal(dep, self.render_settings)
             try:
                 judged = await self.adapters.judge_namespace(dep.namespace)
@@ -180,16 +147,16 @@ class Reconciler:
 
     async def _apply_children(self, dep: LLMDeployment, adapters: list[LLMAdapter]) -> str | None:
         """The engine key, spec.replicas, deletion costs, then every child; the error, if any."""
-        children = render.children(
-            dep, self.render_settings, await self._with_service_monitor(), adapters
-        )
         try:
             if missing := await missing_group_api(self.client, dep):
                 return missing
             await self._ensure_engine_key(dep)
-            await self._ensure_replicas(dep)
+            dep = await self._ensure_replicas(dep)
         except KubeError as exc:
             return f"preparing {dep.name}: {exc.message}"
+        children = render.children(
+            dep, self.render_settings, await self._with_service_monitor(), adapters
+        )
         await self._apply_deletion_costs(dep)
         for obj in children:
             try:
@@ -229,18 +196,30 @@ class Reconciler:
         except KubeError as exc:
             log.warning("deletion costs of %s/%s: %s", dep.namespace, dep.name, exc)
 
-    async def _ensure_replicas(self, dep: LLMDeployment) -> None:
-        """Give an unset spec.replicas its value (the warm minimum) through the scale subresource.
+    async def _ensure_replicas(self, dep: LLMDeployment) -> LLMDeployment:
+        """Give an unset spec.replicas its value (the warm minimum) through the scale subresource;
+        the object to render from.
 
         The API server cannot read the scale of a custom resource whose replicas path is
         absent (a 500 for an HPA or `kubectl get --subresource=scale`), while the YAML in Git
-        must leave the field out so that syncs never reset the autoscaler's count.
+        must leave the field out so that syncs never reset the autoscaler's count. The write
+        holds only over the version read: a count set meanwhile (`kubectl scale`, the
+        autoscaler) is never overwritten with the minimum.
         """
-        if dep.spec.replicas is None:
-            replicas = dep.spec.desired_replicas()
-            await self.client.set_scale(
-                LLM_DEPLOYMENTS, dep.namespace, dep.name, replicas, FIELD_MANAGER_OPERATOR
-            )
+        for _ in range(3):
+            if dep.spec.replicas is not None:
+                return dep
+            try:
+                await self.client.set_scale(
+                    LLM_DEPLOYMENTS, dep.namespace, dep.name, dep.spec.desired_replicas(),
+                    FIELD_MANAGER_OPERATOR, resource_version=dep.metadata.resource_version,
+                )  # fmt: skip
+                return dep
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+            dep = await self._read_live(dep.namespace, dep.name) or dep
+        raise KubeError(409, f"{dep.name} changed three times while spec.replicas was set")
 
     async def _ensure_engine_key(self, dep: LLMDeployment) -> None:
         """Create the engine key Secret when absent; an existing one is never rewritten."""
