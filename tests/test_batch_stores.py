@@ -20,6 +20,7 @@ from servefleet.api.batch_storage import BatchS3Store
 from servefleet.api.batches import Batch, BatchConfig, RequestCounts
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import free_port, serve_in_thread
+from servefleet.gateway import batch_store_s3
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.batch_store import BatchStore, new_batch_id
 from servefleet.gateway.batch_store_folder import FolderBatchStore
@@ -242,3 +243,26 @@ def test_a_bucket_that_cannot_be_reached_is_a_503_and_the_runner_keeps_polling(
             assert "store_unavailable" in refused.value.response.text
         runner = gateway._batch_task
         assert runner is not None and not runner.done(), "the runner died with the bucket"
+
+
+def test_a_long_journal_reads_back_in_few_objects(s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SEGMENT_RECORDS lines journaled become one object: a restarted runner reads 50
+    lines in 12 GETs, not 50; a line left twice by a crash between a segment's PUT and the
+    deletes of its lines' own objects is read back once."""
+    monkeypatch.setattr(batch_store_s3, "SEGMENT_RECORDS", 20)
+    config = bucket_config(s3)
+    store, batch = S3BatchStore(config), _batch("a")
+    store.save_batch(batch)
+    for index in reversed(range(50)):  # lines finish in any order
+        store.append_result(batch, {"index": index, "status": 200, "body": {"n": index}})
+    journal = store._journal(batch)
+    client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=journal)["Contents"]]
+    assert sum(k.endswith(".jsonl") for k in keys) == 2 and len(keys) == 12
+    store._put(journal + "000000049.json", b'{"index":49,"status":200,"body":{"n":49}}')
+    restarted, gets = S3BatchStore(config), []
+    real_get = restarted._get
+    monkeypatch.setattr(restarted, "_get", lambda key: gets.append(key) or real_get(key))
+    found = restarted.results(batch)
+    assert sorted((r["index"], r["body"]["n"]) for r in found) == [(i, i) for i in range(50)]
+    assert len(gets) == 13  # 2 segments, 10 lines not yet folded, the line left twice

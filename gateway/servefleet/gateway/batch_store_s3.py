@@ -7,12 +7,17 @@ id checked against `ID_PATTERN` first, so no client string becomes part of a key
     tenants/<tenant>/files/<file id>.data           its bytes
     tenants/<tenant>/batches/<batch id>.json        the batch object
     tenants/<tenant>/batches/<batch id>.journal/<line index>.json   one finished line
+    tenants/<tenant>/batches/<batch id>.journal/<first>-<last>-<rand>.jsonl   folded lines
     open/<tenant>/<batch id>                        a marker while the batch is open
 A PUT is atomic in S3 (an object appears whole when its upload completes, and the body is
 checked against its MD5), so no reader sees part of an object, and a crash mid-write leaves
 the old object or none. S3 has no append: each journal record is an object of its own, named
 by its line, so a record is durable once its PUT returns and a line run twice (a restart)
-is journaled once. The open markers spare the runner's poll a read of every batch ever made.
+is journaled once. Reading such a journal would take a GET a line, so every
+`SEGMENT_RECORDS` records this store journaled are folded into one segment object (one PUT)
+and their own objects deleted (one DeleteObjects): a batch of n lines reads back in about
+n / SEGMENT_RECORDS GETs. A crash between the two leaves a line twice, read back once. The open
+markers spare the runner's poll a read of every batch ever made.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
+import secrets
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -39,8 +47,10 @@ from servefleet.gateway.batch_store import (
 )
 
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
-_READERS = 8  # journal records fetched at once
+_READERS = 8  # journal objects fetched at once
+SEGMENT_RECORDS = 256  # journal records folded into one object (DeleteObjects takes 1,000)
 _T = TypeVar("_T")
+log = logging.getLogger("servefleet.gateway.batch")
 
 
 def _reached(call: Callable[[], _T]) -> _T:
@@ -75,6 +85,8 @@ class S3BatchStore:
         )
         self.bucket = config.bucket
         self.prefix = config.prefix
+        self._unfolded: dict[str, dict[int, bytes]] = {}  # journal -> line index -> record
+        self._folding = threading.Lock()  # records are appended from worker threads
 
     # -- files ----------------------------------------------------------------------------
     def put_file(self, tenant: str, filename: str, purpose: FilePurpose, data: bytes) -> FileObject:
@@ -95,7 +107,9 @@ class S3BatchStore:
 
     def files(self, tenant: str) -> list[FileObject]:
         keys = self._keys(self._tenant(tenant) + "files/", ".json")
-        return newest_first([FileObject.model_validate_json(raw) for raw in self._read(keys)])
+        return newest_first(
+            [FileObject.model_validate_json(raw) for raw in self._read(keys) if raw]
+        )
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
         if self.file(tenant, file_id) is None:
@@ -123,7 +137,7 @@ class S3BatchStore:
 
     def batches(self, tenant: str) -> list[Batch]:
         keys = self._keys(self._tenant(tenant) + "batches/", ".json")
-        return newest_first([Batch.model_validate_json(raw) for raw in self._read(keys)])
+        return newest_first([Batch.model_validate_json(raw) for raw in self._read(keys) if raw])
 
     def open_batches(self) -> list[Batch]:
         found = []
@@ -142,16 +156,50 @@ class S3BatchStore:
         if not isinstance(index, int) or index < 0:
             raise ValueError(f"a journal record names its line: index={index!r}")
         line = json.dumps(record, separators=(",", ":")).encode()
-        self._put(self._journal(batch) + f"{index:09d}.json", line)
+        journal = self._journal(batch)
+        self._put(journal + f"{index:09d}.json", line)
+        with self._folding:
+            unfolded = self._unfolded.setdefault(journal, {})
+            unfolded[index] = line
+            if len(unfolded) < SEGMENT_RECORDS:
+                return
+            del self._unfolded[journal]
+        self._fold(journal, unfolded)
+
+    def _fold(self, journal: str, records: dict[int, bytes]) -> None:
+        """`records` (each already an object of its own) as one segment, then their objects
+        deleted. Best effort: a failure leaves them where they are, still read back."""
+        lines = sorted(records)
+        name = f"{lines[0]:09d}-{lines[-1]:09d}-{secrets.token_hex(4)}.jsonl"
+        gone = [{"Key": journal + f"{i:09d}.json"} for i in lines]
+        try:
+            self._put(journal + name, b"".join(records[i] + b"\n" for i in lines))
+            _reached(
+                lambda: self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": gone, "Quiet": True}
+                )
+            )
+        except StoreUnavailable as exc:
+            log.warning("batch_journal_not_folded journal=%s error=%s", journal, exc)
 
     def results(self, batch: Batch) -> list[dict[str, Any]]:
-        records = []
-        for raw in self._read(self._keys(self._journal(batch), ".json")):
-            try:
-                records.append(json.loads(raw))
-            except ValueError:  # not one of ours; a PUT is never torn
-                continue
-        return records
+        """One record per line, from line objects and segments alike. A listed line object
+        folded away meanwhile (its segment not listed) means reading the listing again."""
+        for _ in range(3):
+            keys = list(self._keys(self._journal(batch), ""))
+            found = self._read(iter(k for k in keys if k.endswith((".json", ".jsonl"))))
+            if None not in found:
+                break
+        records: dict[int, dict[str, Any]] = {}
+        for raw in found:
+            for line in (raw or b"").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:  # not one of ours; a PUT is never torn
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("index"), int):
+                    records.setdefault(record["index"], record)
+        return list(records.values())
 
     # -- keys and requests ----------------------------------------------------------------
     def _tenant(self, tenant: str) -> str:
@@ -198,8 +246,7 @@ class S3BatchStore:
                 if item["Key"].endswith(suffix):
                     yield item["Key"]
 
-    def _read(self, keys: Iterator[str]) -> list[bytes]:
-        """The objects at `keys`, several at once; one deleted meanwhile is left out."""
+    def _read(self, keys: Iterator[str]) -> list[bytes | None]:
+        """The objects at `keys`, several at once; None for one deleted meanwhile."""
         with ThreadPoolExecutor(_READERS) as pool:
-            found = list(pool.map(self._get, list(keys)))
-        return [raw for raw in found if raw is not None]
+            return list(pool.map(self._get, list(keys)))
