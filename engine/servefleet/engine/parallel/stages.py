@@ -72,7 +72,7 @@ def stage_step(runner: ModelRunner, group: ParallelGroup, plan: StepPlan) -> tor
     waits: list[Callable[[], None]] = []
     logits: list[torch.Tensor] = []
     for part in parts:
-        hidden = _stage_forward(runner, model, group, part.plan, waits)
+        hidden = _stage_forward(runner, model, group, part.plan, waits if len(parts) > 1 else None)
         if group.stage == group.stages - 1 and part.plan.logit_rows:
             rows = torch.tensor(part.plan.logit_rows, dtype=torch.long, device=hidden.device)
             logits.append(model.compute_logits(hidden.index_select(0, rows)).float())
@@ -86,10 +86,11 @@ def _stage_forward(
     model: LlamaForCausalLM,
     group: ParallelGroup,
     plan: StepPlan,
-    waits: list[Callable[[], None]],
+    waits: list[Callable[[], None]] | None,
 ) -> torch.Tensor:
     """One micro-batch through this stage: received from the previous stage's shard of
-    the same tensor rank, sent on to the next one's without waiting for it to arrive."""
+    the same tensor rank, sent on to the next one's; with `waits` (several micro-batches)
+    without waiting for it to arrive, else at once and without a copy."""
     stage, tp = group.stage, group.tensor_size
     hidden_in = None
     if stage > 0:
@@ -98,7 +99,11 @@ def _stage_forward(
         )
         group.point_to_point("recv", hidden_in, group.rank - tp)
     hidden = model.forward(plan.ids, plan.positions, runner.kv_caches, plan.meta, hidden_in)
-    if stage < group.stages - 1:  # a copy: the next micro-batch may reuse the model's buffers
+    if stage == group.stages - 1:
+        return hidden
+    if waits is None:
+        group.point_to_point("send", hidden.contiguous(), group.rank + tp)
+    else:  # a copy: the next micro-batch may reuse the model's buffers
         sent = hidden.clone(memory_format=torch.contiguous_format)
         waits.append(group.send_later(sent, group.rank + tp))
     return hidden
