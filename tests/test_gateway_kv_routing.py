@@ -188,3 +188,8 @@ def test_the_gateway_exposes_decisions_and_index_size() -> None:
         in text
     )
     assert 'servefleet_gateway_kv_index_blocks{deployment="d",model="m"} 5.0' in text
+    assert 'servefleet_gateway_kv_events_lag_seconds{deployment="d",model="m"} 0.0' in text
+    # a batch the engine published 2.5 s before the gateway applied it
+    pool.kv_index.batch(A, KVEventBatch(seq=1, ts=100.0, removed=[hash_hex(HASHES[0])]), 102.5)
+    text = gateway.render_metrics().decode()
+    assert 'servefleet_gateway_kv_events_lag_seconds{deployment="d",model="m"} 2.5' in text

@@ -45,6 +45,10 @@ DECISION_LABEL = "decision"
 DECISIONS = ("local", "pull", "go_to_holder", "recompute", "pd")
 INDEX_BLOCKS_METRIC = "servefleet_gateway_kv_index_blocks"
 """(block, replica) pairs the gateway's index holds per deployment."""
+EVENTS_LAG_METRIC = "servefleet_gateway_kv_events_lag_seconds"
+"""Per deployment, the largest over its replicas of how late the newest applied batch was:
+the gateway's clock when it applied it minus the engine's `ts` (clocks of one node agree; across
+nodes NTP's skew adds in). A lag that grows means routing follows a stale picture."""
 
 
 def event_id(epoch: str, seq: int) -> str:

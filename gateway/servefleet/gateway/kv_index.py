@@ -10,6 +10,7 @@ hint for routing: the engine that gets the request hashes and checks its own cac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ class ReplicaCache:
     prompt_tps: float = 0.0
     pull_bps: float = 0.0
     step_s: float = 0.0
+    lag_s: float = 0.0  # how late its newest applied batch was (`EVENTS_LAG_METRIC`)
 
 
 class KVIndex:
@@ -63,10 +65,11 @@ class KVIndex:
         self._clear(endpoint, cache)
         self._store(endpoint, cache, (h for h, _ in snap.stored))
 
-    def batch(self, endpoint: str, batch: KVEventBatch) -> None:
+    def batch(self, endpoint: str, batch: KVEventBatch, now: float | None = None) -> None:
         cache = self.per_replica.get(endpoint)
         if cache is None:
             return
+        cache.lag_s = max(0.0, (time.time() if now is None else now) - batch.ts)
         if batch.cleared:
             self._clear(endpoint, cache)
         for h in batch.removed:
