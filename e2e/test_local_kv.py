@@ -25,13 +25,14 @@ from typing import Any
 
 import httpx
 
+from servefleet.api.cache_salt import tenant_salt
 from servefleet.api.kv_transfer import BLOCKS_METRIC
 from servefleet.api.manifests import load_llmdeployments
 from servefleet.autoscaler.signals import ReplicaState
 from servefleet.local.plane import LocalControlPlane, LocalOptions
 from servefleet.local.ports import free_port
 from servefleet.local.supervisor import DeploymentSupervisor
-from servefleet.local.tenants import resolve_local_tenants
+from servefleet.local.tenants import DEMO_TENANT, resolve_local_tenants
 
 MODEL = "smollm2-135m-instruct"
 # Long enough to outlast the third replica's prefill of the same prompt (per-row attention in
@@ -60,6 +61,11 @@ def _body(text: str, max_tokens: int) -> dict[str, Any]:
     return {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+# An engine called directly gets what the gateway would have sent: the demo tenant's salt,
+# under which the prefixes it served through the gateway are cached.
+DEMO_SALT = {"cache_salt": tenant_salt(DEMO_TENANT, None)}
 
 
 async def _stream(
@@ -127,7 +133,7 @@ async def _warm_start(
     await _ready_count(sup, 2)
     (new,) = [r.base_url for r in sup.live() if r.base_url != first]
     assert await _imported(client, new) > 0, "the new replica pulled nothing"
-    direct = await _stream(client, new + "/v1", plane.engine_key, _body(hot, 8), [])
+    direct = await _stream(client, new + "/v1", plane.engine_key, _body(hot, 8) | DEMO_SALT, [])
     cached = direct["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and direct["text"] == served["text"], (cached, direct, served)
 
@@ -152,7 +158,7 @@ async def _failover(
     target = pool.replicas.pick(None, time.monotonic(), slack=0, exclude=victim)
     assert target is not None
     (holder,) = [e for e in pool.replicas.replicas if e not in (victim.endpoint, target.endpoint)]
-    await _stream(client, holder + "/v1", plane.engine_key, _body(text, 1), [])
+    await _stream(client, holder + "/v1", plane.engine_key, _body(text, 1) | DEMO_SALT, [])
     assert not task.done(), "the stream ended before its engine could be killed"
     before = await _imported(client, target.endpoint)
     (pid,) = [r.process.pid for r in sup.live() if r.base_url == victim.endpoint]

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from servefleet.api.cache_salt import tenant_salt
 from servefleet.api.gateway_config import (
     ApiKeyRef,
     GatewayConfig,
@@ -29,6 +30,7 @@ from servefleet.api.gateway_config import (
     TenantAccess,
     hash_api_key,
 )
+from servefleet.api.kv_blocks import root_hash
 from servefleet.bench.processes import serve_in_thread as serve_app
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.kv_pull import kv_pull_params
@@ -134,7 +136,8 @@ def test_the_gateway_hashes_prompts_and_sends_them_to_their_holder(urls: tuple[s
     pool = gateway.pools["m"]
     prompt = PROMPT.replace("orchard", "vineyard")  # not cached anywhere yet
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    counted = load_token_counter(MODEL).completion_counted(prompt, 16)
+    salted = root_hash(None, tenant_salt("t", None))  # the engines cache under t's salt
+    counted = load_token_counter(MODEL).completion_counted(prompt, 16, salted)
     assert counted is not None
     hashes = counted.block_hashes
     with serve_app(gateway) as base:

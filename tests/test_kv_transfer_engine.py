@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -84,7 +87,8 @@ def reset(built: BuiltEngine) -> None:
 
 def test_a_pulled_prefix_gives_the_same_output(pair: Pair) -> None:
     a, a_url, b, b_url = pair
-    reset(a), reset(b)
+    reset(a)
+    reset(b)
     recomputed, prompt_tokens, cached = complete(b_url)
     assert cached == 0 and prompt_tokens > 400
     reset(b)
@@ -125,7 +129,8 @@ def _cutting_proxy(source: str, cut_after: int) -> Starlette:
 
 def test_a_source_that_dies_halfway_leaves_a_verified_prefix(pair: Pair) -> None:
     a, a_url, b, b_url = pair
-    reset(a), reset(b)
+    reset(a)
+    reset(b)
     expected, prompt_tokens, _ = complete(a_url)
     store = a.state.kv_store
     assert store is not None
@@ -142,7 +147,8 @@ def test_a_source_that_dies_halfway_leaves_a_verified_prefix(pair: Pair) -> None
 
 def test_a_pushed_stream_is_imported_up_to_its_last_whole_block(pair: Pair) -> None:
     a, a_url, b, b_url = pair
-    reset(a), reset(b)
+    reset(a)
+    reset(b)
     complete(a_url)
     r = httpx.post(a_url + "/tokenize", json={"model": MODEL, "prompt": PROMPT}, headers=AUTH)
     ids = r.json()["tokens"]
@@ -192,3 +198,61 @@ def test_sources_outside_the_peer_networks_are_refused(pair: Pair) -> None:
         r = httpx.post(b_url + "/v1/completions", json=body, headers=AUTH)
         assert r.status_code == 400
         assert r.json()["error"]["param"] == "kv_transfer_params.kv_sources"
+
+
+def _slow_proxy(source: str, delay_s: float, exports: list[int]) -> Starlette:
+    """An export source that waits `delay_s` before relaying the real one; counts exports."""
+
+    async def export(request: Request) -> StreamingResponse:
+        exports.append(1)
+        await asyncio.sleep(delay_s)
+        body = await request.body()
+        client = httpx.AsyncClient(timeout=60)
+        req = client.build_request(
+            "POST", source + EXPORT_PATH, content=body, headers=dict(request.headers)
+        )
+        resp = await client.send(req, stream=True)
+
+        async def relay() -> AsyncIterator[bytes]:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+            await client.aclose()
+
+        return StreamingResponse(relay(), media_type=resp.headers["content-type"])
+
+    return Starlette(routes=[Route(EXPORT_PATH, export, methods=["POST"])])
+
+
+def _imported_blocks(url: str) -> float:
+    found = re.findall(
+        r'servefleet_engine_kv_transfer_blocks_total\{direction="import",[^}]*\} ([0-9.e+]+)',
+        httpx.get(url + "/metrics").text,
+    )
+    return sum(float(n) for n in found)
+
+
+def test_requests_missing_the_same_prefix_pull_it_once(pair: Pair) -> None:
+    """A second request for a prefix another request is pulling waits for that pull and
+    then finds the blocks here: the source exports once, the blocks are imported once."""
+    a, a_url, b, b_url = pair
+    reset(a)
+    reset(b)
+    expected, prompt_tokens, _ = complete(a_url)
+    before = _imported_blocks(b_url)
+    exports: list[int] = []
+    params = {"kv_transfer_params": {"kv_sources": [], "deadline_s": 30.0}}
+    with processes.serve_in_thread(_slow_proxy(a_url, 1.0, exports), lifespan="off") as proxy:
+        params["kv_transfer_params"]["kv_sources"] = [proxy]
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(complete, b_url, **params)
+            time.sleep(0.4)  # inside the first pull's wait at the source
+            second = pool.submit(complete, b_url, **params)
+            answers = [first.result(), second.result()]
+    assert [got for got, _, _ in answers] == [expected, expected]
+    assert all(cached >= prompt_tokens - 16 for _, _, cached in answers)
+    assert len(exports) == 1
+    assert _imported_blocks(b_url) - before == (prompt_tokens - 1) // 16
+    text = httpx.get(b_url + "/metrics").text
+    joined = re.search(r"servefleet_engine_kv_pulls_joined_total\{[^}]*\} ([0-9.]+)", text)
+    assert joined is not None and float(joined.group(1)) >= 1
+    b.kv_cache.check_all_free()

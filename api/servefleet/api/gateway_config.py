@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from servefleet.api.batches import BatchConfig
 from servefleet.api.budgets import TokenPrices
+from servefleet.api.cache_salt import PrefixCacheSharing
 from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.llmdeployment import (
     AdmissionSpec,
@@ -252,6 +253,11 @@ class GatewayDeployment(ConfigModel):
         gt=0,
         le=60,
         description="How long an engine may spend pulling before it recomputes the rest.",
+    )
+    prefix_cache_sharing: PrefixCacheSharing = Field(
+        default="tenant",
+        description="spec.prefixCacheSharing: tenant salts each request to the engines with "
+        "its tenant (`servefleet.api.cache_salt`); deployment forwards the tenant's own salt.",
     )
     engine_priority: bool = Field(
         default=True,

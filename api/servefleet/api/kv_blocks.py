@@ -29,12 +29,18 @@ def hash_bytes(block_hash: int) -> bytes:
     return block_hash.to_bytes(HASH_BYTES, "little")
 
 
-def root_hash(adapter_identity: int | None = None) -> int:
+def root_hash(adapter_identity: int | None = None, cache_salt: str | None = None) -> int:
     """The chain's start: the base model's, or its own for each adapter identity (a signed
-    64-bit int, `LoraAdapter.identity`)."""
+    64-bit int, `LoraAdapter.identity`) and each cache salt (`servefleet.api.cache_salt`):
+    requests of different salts never share a prefix block. Unsalted roots are unchanged."""
     if adapter_identity is None:
-        return _digest(_ROOT_DOMAIN + b"\x00")
-    return _digest(_ROOT_DOMAIN + b"\x01" + adapter_identity.to_bytes(8, "little", signed=True))
+        root = _ROOT_DOMAIN + b"\x00"
+    else:
+        root = _ROOT_DOMAIN + b"\x01" + adapter_identity.to_bytes(8, "little", signed=True)
+    if cache_salt is None:
+        return _digest(root)
+    salt = cache_salt.encode()
+    return _digest(root + b"\x02" + len(salt).to_bytes(4, "little") + salt)
 
 
 def chain_hash(parent: int, token_ids: Sequence[int]) -> int:

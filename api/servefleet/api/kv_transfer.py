@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servefleet.api.cache_salt import MAX_CACHE_SALT_CHARS
 from servefleet.api.disaggregation import DEFAULT_THRESHOLD_TOKENS
 
 MEDIA_TYPE = "application/x-servefleet-kv; v=1"
@@ -53,6 +54,7 @@ BLOCKS_METRIC = "servefleet_engine_kv_transfer_blocks_total"
 BYTES_METRIC = "servefleet_engine_kv_transfer_bytes_total"
 SECONDS_METRIC = "servefleet_engine_kv_transfer_seconds"
 FALLBACKS_METRIC = "servefleet_engine_kv_import_fallbacks_total"
+JOINED_METRIC = "servefleet_engine_kv_pulls_joined_total"  # waited for another's pull instead
 DIRECTION_LABEL = "direction"  # export | import
 OUTCOME_LABEL = "outcome"  # ok | partial | refused | failed
 REASON_LABEL = "reason"  # why a pull fell back to recompute
@@ -85,6 +87,7 @@ class KVPrefillRequest(_Strict):
 
     prompt_token_ids: list[int] = Field(min_length=1, max_length=MAX_TRANSFER_BLOCKS * 16)
     adapter: str | None = None  # the LoRA adapter's served name; None: the base model
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     compute: Literal[True]
     start_block: int = Field(default=0, ge=0)  # blocks before it are held by the caller
 

@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from servefleet.api.api_model import DNS_LABEL, ApiModel, SecretKeyRef, cel_rule
 from servefleet.api.budgets import COST_BUDGET_CEL, COST_BUDGET_MESSAGE, TokenPrices
+from servefleet.api.cache_salt import PrefixCacheSharing
 from servefleet.api.chargeback_spec import ChargebackSpec
 from servefleet.api.deployment_status import Condition, LLMDeploymentStatus
 from servefleet.api.disaggregation import (
@@ -266,6 +267,13 @@ class LLMDeploymentSpec(ApiModel):
     )
     admission: AdmissionSpec = Field(
         default_factory=AdmissionSpec, description="The gateway's bounded queue."
+    )
+    prefix_cache_sharing: PrefixCacheSharing = Field(
+        default="tenant",
+        description="Who shares the engines' prefix cache: tenant (each tenant only its own "
+        "prefixes, the gateway salts every request with its tenant) or deployment (every "
+        "tenant of this deployment: more hits, but a tenant can learn from cached_tokens or "
+        "timing which prefixes another sent). A request's own cache_salt splits it further.",
     )
     tenants: list[TenantSpec] = Field(
         default_factory=list,

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from servefleet.api import request_caps as caps
+from servefleet.api.cache_salt import MAX_CACHE_SALT_CHARS
 from servefleet.api.kv_transfer import KVTransferParams
 from servefleet.api.openai_messages import ChatMessage, StrictModel
 from servefleet.api.seeds import SEED_MAX, SEED_MIN
@@ -30,6 +31,7 @@ VENDOR_EXTENSIONS: tuple[str, ...] = (
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "cache_salt",
 )
 
 # OpenAI fields we know and refuse, with why: a 400 naming the field, never silence.
@@ -159,6 +161,8 @@ class SamplingRequest(_RefusesKnownFields):
     stream_options: StreamOptions | None = None
     priority: Priority = 0
     user: str | None = None  # an end-user id, as OpenAI takes it; it changes no output
+    # prefixes are shared only between requests of one salt (`servefleet.api.cache_salt`)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)

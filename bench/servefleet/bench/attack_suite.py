@@ -27,6 +27,7 @@ from typing import Any
 
 from servefleet.bench import attacks_internal as internal
 from servefleet.bench import attacks_local as local
+from servefleet.bench import attacks_privacy as privacy
 from servefleet.bench import attacks_serving as serving
 from servefleet.bench.attack_common import (
     P99_FACTOR,
@@ -75,6 +76,7 @@ _STACK = (
     serving.wrong_methods,
     serving.engine_bypass,
     serving.disconnect_storm,
+    privacy.prefix_cache_probe,
     internal.internal_without_key,
     internal.hostile_replicas,
 )

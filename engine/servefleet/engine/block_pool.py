@@ -23,6 +23,9 @@ class KVBlock:
     # What a cached block's hash was chained from: KV transfer sends both with its bytes.
     parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    # The first block of a base-model chain, whatever its cache salt: where a walk from a
+    # leaf to the chain's start stops (`kv_warm.hot_chains`).
+    first: bool = False
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -99,6 +102,7 @@ class BlockPool:
         block_hash: int,
         parent_hash: int | None = None,
         token_ids: tuple[int, ...] = (),
+        first: bool = False,
     ) -> bool:
         """Publish a full block under its hash; False if it stays private (caching off, or
         an identical block is already indexed)."""
@@ -107,7 +111,7 @@ class BlockPool:
         if block_hash in self._cached:
             return False
         block.block_hash = block_hash
-        block.parent_hash, block.token_ids = parent_hash, token_ids
+        block.parent_hash, block.token_ids, block.first = parent_hash, token_ids, first
         self._cached[block_hash] = block
         if self.events is not None:
             self.events.on_stored(block_hash, parent_hash or 0)

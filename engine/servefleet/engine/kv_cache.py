@@ -17,9 +17,12 @@ ROOT_HASH = kv_blocks.root_hash(None)
 
 
 def root_hash(seq: Sequence) -> int:
-    """The chain's start: an adapter's sequences start their own chain, so KV computed under
-    one adapter (or the base model) is never a prefix hit for another."""
-    return ROOT_HASH if seq.lora is None else kv_blocks.root_hash(seq.lora.identity)
+    """The chain's start: an adapter's sequences, and each cache salt's, start their own chain,
+    so KV computed under one adapter (or the base model) or salt is never a hit for another."""
+    if seq.lora is None and seq.cache_salt is None:
+        return ROOT_HASH
+    identity = None if seq.lora is None else seq.lora.identity
+    return kv_blocks.root_hash(identity, seq.cache_salt)
 
 
 class KVCacheManager:
@@ -109,7 +112,8 @@ class KVCacheManager:
             parent = seq.block_hashes[i - 1] if i else root_hash(seq)
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block = self.pool.blocks[seq.block_table[i]]
-            self.pool.cache_block(block, seq.block_hashes[i], parent, tokens)
+            first = i == 0 and seq.lora is None
+            self.pool.cache_block(block, seq.block_hashes[i], parent, tokens, first)
         seq.num_published_blocks = max(seq.num_published_blocks, full)
 
     def trim(self, seq: Sequence) -> None:

@@ -9,6 +9,7 @@ from servefleet.api.kv_transfer import (
     BYTES_METRIC,
     DIRECTION_LABEL,
     FALLBACKS_METRIC,
+    JOINED_METRIC,
     OUTCOME_LABEL,
     REASON_LABEL,
     SECONDS_METRIC,
@@ -35,6 +36,12 @@ class KVTransferMetrics:
             ["model_name", REASON_LABEL],
             registry=registry,
         )
+        self.joined = Counter(
+            JOINED_METRIC,
+            "Pulls not made: another request was pulling the same run, and this one waited.",
+            ["model_name"],
+            registry=registry,
+        )
 
     def transfer(
         self, direction: Direction, outcome: Outcome, blocks: int, nbytes: int, seconds: float
@@ -43,6 +50,9 @@ class KVTransferMetrics:
         self.blocks.labels(**labels, **{OUTCOME_LABEL: outcome}).inc(blocks)
         self.bytes.labels(**labels, **{OUTCOME_LABEL: outcome}).inc(nbytes)
         self.seconds.labels(**labels).observe(seconds)
+
+    def join(self) -> None:
+        self.joined.labels(model_name=self.model_name).inc()
 
     def fallback(self, reason: str) -> None:
         self.fallbacks.labels(model_name=self.model_name, **{REASON_LABEL: reason}).inc()

@@ -87,7 +87,7 @@ async def prefill_export_stream(
     bs = store.block_size
     tokens = body.prompt_token_ids[: len(body.prompt_token_ids) // bs * bs]
     identity = adapter.identity if adapter is not None else None
-    hashes = chain(root_hash(identity), tokens, bs)
+    hashes = chain(root_hash(identity, body.cache_salt), tokens, bs)
     start = min(body.start_block, len(hashes))
     seq = Sequence(
         prompt_token_ids=tokens,
@@ -96,6 +96,7 @@ async def prefill_export_stream(
         request_id=new_id("prefill"),
         lora=adapter,
         prefill_only=True,
+        cache_salt=body.cache_salt,
     )
     store.prefilling += 1
     try:

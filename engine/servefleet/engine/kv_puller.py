@@ -15,6 +15,7 @@ recomputed, so a pull costs at most its deadline. Sources are contacted only ins
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from functools import partial
@@ -75,26 +76,60 @@ def check_kv_transfer(state: ServingState, params: KVTransferParams | None) -> N
 async def pull_prefix(
     state: ServingState, params: KVTransferParams | None, request: EngineRequest
 ) -> int:
-    """Blocks pulled into this cache for `request`'s prompt (0 when nothing was missing)."""
+    """Blocks pulled into this cache for `request`'s prompt (0 when nothing was missing).
+
+    Pulls of prompts that start alike are made one at a time: the first registers, before
+    anything awaits, under its first block; one that finds it registered waits for it (to its
+    own deadline), then pulls only what is still missing, so the same bytes move once."""
     store = state.kv_store
     if params is None or store is None:
         return 0
     tokens = [*request.prompt_token_ids, *request.resume_token_ids]
     usable = (len(tokens) - 1) // store.block_size  # the scheduler always computes one token
     adapter = request.lora.identity if request.lora is not None else None
-    hashes = chain(root_hash(adapter), tokens[: usable * store.block_size], store.block_size)
+    root = root_hash(adapter, request.cache_salt)
+    hashes = chain(root, tokens[: usable * store.block_size], store.block_size)
     hashes = hashes[:MAX_TRANSFER_BLOCKS]
-    held = await state.engine.call(partial(store.held_run, hashes))
-    missing = hashes[held:]
     if params.remote_prefill is not None:
+        held = await state.engine.call(partial(store.held_run, hashes))
         return await remote_prefill(state, params, request, tokens, held, len(hashes))
-    if missing and not worth_pulling(state.engine.prompt_rate, store, len(missing)):
-        state.engine.metrics.kv_transfer.fallback("recompute_cheaper")
+    if not hashes:
         return 0
     deadline = time.monotonic() + params.deadline_s
+    mine, under_way = None, store.pulling.get(hashes[0])
+    if under_way is None:
+        mine = store.pulling[hashes[0]] = asyncio.Event()
+    try:
+        if under_way is not None:
+            state.engine.metrics.kv_transfer.join()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(under_way.wait(), max(0.0, deadline - time.monotonic()))
+        held = await state.engine.call(partial(store.held_run, hashes))
+        missing = hashes[held:]
+        if missing and not worth_pulling(state.engine.prompt_rate, store, len(missing)):
+            state.engine.metrics.kv_transfer.fallback("recompute_cheaper")
+            return 0
+        return await _pull_missing(state, store, params, missing, adapter, deadline)
+    finally:
+        if mine is not None:
+            mine.set()
+            del store.pulling[hashes[0]]
+
+
+async def _pull_missing(
+    state: ServingState,
+    store: KVStore,
+    params: KVTransferParams,
+    missing: list[int],
+    adapter: int | None,
+    deadline: float,
+) -> int:
+    """`missing` from the sources (the likeliest holder first) until the deadline."""
+    if not missing:
+        return 0
     pulled = 0
     sources = [s.rstrip("/") for s in params.kv_sources]
-    if missing and len(sources) > 1:
+    if len(sources) > 1:
         sources = await rank_sources(state, store, sources, missing, deadline)
     for source in sources:
         if not missing or time.monotonic() >= deadline:
@@ -166,10 +201,11 @@ async def remote_prefill(
         state.engine.metrics.kv_transfer.fallback("below_threshold")
         return 0
     adapter = request.lora.identity if request.lora is not None else None
-    hashes = chain(root_hash(adapter), tokens[: usable * bs], bs)
+    hashes = chain(root_hash(adapter, request.cache_salt), tokens[: usable * bs], bs)
     body = {
         "prompt_token_ids": tokens[: usable * bs],
         "adapter": request.lora.name if request.lora is not None else None,
+        "cache_salt": request.cache_salt,
         "compute": True,
         "start_block": held,
     }

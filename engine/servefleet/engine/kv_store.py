@@ -14,6 +14,7 @@ blocks running sequences need.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,9 @@ class KVStore:
     staged: int = 0  # blocks imports hold now (engine thread)
     prefilling: int = 0  # prefill-and-export streams running now (asyncio side, `kv_prefill`)
     pull_rate: Ewma = field(default_factory=lambda: Ewma(0.0))  # bytes/s of past pulls
+    # Pulls under way (asyncio side), by the first block they pull: a request missing the same
+    # run waits for that pull instead of moving the same bytes again (`kv_puller`).
+    pulling: dict[int, asyncio.Event] = field(default_factory=dict)
     cap: int = field(init=False)
 
     def __post_init__(self) -> None:

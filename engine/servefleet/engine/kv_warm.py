@@ -75,10 +75,11 @@ def hot_chains(pool: BlockPool, max_blocks: int, max_chains: int) -> list[list[i
 
 
 def _chain_to(pool: BlockPool, leaf: KVBlock, base: int) -> list[int] | None:
-    """`leaf`'s chain from the model's root, or None (an ancestor is gone, or an adapter's)."""
+    """`leaf`'s chain from the model's root (salted or not), or None (an ancestor is gone, or
+    an adapter's)."""
     chain = [leaf.block_hash or 0]
     block = leaf
-    while block.parent_hash != base:
+    while block.parent_hash != base and not block.first:
         parent = pool.lookup(block.parent_hash or 0)
         if parent is None or len(chain) >= pool.num_blocks:
             return None

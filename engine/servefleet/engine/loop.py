@@ -52,6 +52,7 @@ class EngineRequest:
     resume_token_ids: list[int] = field(default_factory=list)  # already delivered (n == 1)
     lora: LoraAdapter | None = None  # the adapter it asked for (held by the caller)
     tenant: str = UNATTRIBUTED  # who its steps are billed to (`servefleet.api.chargeback`)
+    cache_salt: str | None = None  # whose prefixes it may share (`servefleet.api.cache_salt`)
 
 
 @dataclass
@@ -314,6 +315,7 @@ class Engine:
                 output_token_ids=list(request.resume_token_ids),
                 lora=request.lora,
                 tenant=request.tenant,
+                cache_salt=request.cache_salt,
             )
             self._tracked[seq.seq_id] = _Tracked(
                 seq, index, sink, OutputProcessor(self.tokenizer, seq)

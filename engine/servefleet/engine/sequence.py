@@ -66,6 +66,7 @@ class Sequence:
     # every prompt token's KV is written, so its blocks can be handed to a decode engine.
     prefill_only: bool = False
     tenant: str = UNATTRIBUTED  # billed for its steps (`servefleet.api.chargeback`)
+    cache_salt: str | None = None  # shares prefixes only within its salt (`api.cache_salt`)
 
     def __post_init__(self) -> None:
         # A resumed request's delivered tokens (`servefleet.api.stream_resume`) are already

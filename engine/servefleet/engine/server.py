@@ -236,6 +236,7 @@ def _engine_requests(
                 resume_token_ids=resume_ids(state, body, prompt.max_tokens),
                 lora=adapter,
                 tenant=tenant,
+                cache_salt=body.cache_salt,
             )
         )
     return requests

@@ -48,6 +48,7 @@ class Call:
     prefill: PrefillLease | None = None  # disaggregated P/D: the prefill replica (`pd`)
     prefill_overflow: PrefillOverflow | None = None  # P/D: no prefill replica had room
     block_hashes: tuple[int, ...] = ()  # the prompt's exact KV block hashes (routing by contents)
+    cache_salt: str | None = None  # whose prefixes it may share (`servefleet.api.cache_salt`)
 
     def used_tokens(self, reserved: int) -> int:
         """Tokens to settle the reservation with."""

@@ -32,6 +32,7 @@ from servefleet.gateway.client_watch import ClientGone, unless_client_leaves
 from servefleet.gateway.endpoints import (
     ENDPOINTS,
     Endpoint,
+    cache_salt_for,
     count_prompt,
     parse,
     reserved_tokens,
@@ -78,7 +79,8 @@ class CompletionHandler:
         route = route_for(table, tenant, request)
         if scope.get(TRAFFIC_CLASS) == "batch":
             route = replace(route, traffic_class=TrafficClass.BATCH)
-        counted = await count_prompt(route, request, parsed)
+        salt = cache_salt_for(route, parsed)
+        counted = await count_prompt(route, request, parsed, salt)
         prompt_tokens, affinity_key = counted.tokens, counted.affinity_key
         shape = shape_of(request)
         call = Call(
@@ -95,6 +97,7 @@ class CompletionHandler:
             [],
             request_id=request_id,
             block_hashes=counted.block_hashes,
+            cache_salt=salt,
         )
         reservation: Reservation | None = None
         try:

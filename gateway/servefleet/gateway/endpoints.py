@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from servefleet.api.cache_salt import CACHE_SALT, effective_salt
+from servefleet.api.kv_blocks import root_hash
 from servefleet.api.max_tokens import completion_budget
 from servefleet.api.openai_errors import OpenAIError
 from servefleet.api.openai_requests import (
@@ -190,8 +192,15 @@ def hash_block_size(route: TenantRoute, parsed: dict[str, Any], chat: bool) -> i
     return config.block_size
 
 
+def cache_salt_for(route: TenantRoute, parsed: dict[str, Any]) -> str | None:
+    """The salt a request is sent to the engines with (`servefleet.api.cache_salt`)."""
+    own = parsed.get(CACHE_SALT)
+    own = own if isinstance(own, str) else None
+    return effective_salt(route.pool.config.prefix_cache_sharing, route.tenant, own)
+
+
 async def count_prompt(
-    route: TenantRoute, request: BaseModel, parsed: dict[str, Any]
+    route: TenantRoute, request: BaseModel, parsed: dict[str, Any], salt: str | None = None
 ) -> PromptCount:
     """Prompt tokens, affinity key and block hashes: exact with the model's tokenizer (the
     hashes only then), else estimated.
@@ -218,7 +227,8 @@ async def count_prompt(
         tokens = shape.estimated_tokens if exact is None else exact
         return PromptCount(tokens, shape.affinity_key)
     block_size = hash_block_size(route, parsed, chat)
-    work = partial(counter.chat_counted if chat else counter.completion_counted, text, block_size)
+    counted_with = counter.chat_counted if chat else counter.completion_counted
+    work = partial(counted_with, text, block_size, root_hash(None, salt))
     counted = await counter.count(work, shape.total_chars)
     if counted is None:
         return PromptCount(shape.estimated_tokens, shape.affinity_key)

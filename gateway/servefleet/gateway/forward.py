@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from servefleet.api.cache_salt import CACHE_SALT, SHARING_TENANT
 from servefleet.api.chargeback import TENANT_HEADER
 from servefleet.api.gateway_config import GatewayDeployment
 from servefleet.api.openai_errors import OpenAIError
@@ -68,14 +69,17 @@ def engine_headers(
 
 
 def engine_fields(call: Call, lease: Lease) -> dict[str, Any]:
-    """What the gateway adds to a request for its engines that take ours (servefleet): a
-    batch tenant's `priority` (interactive is the engine's default, 0), and where a long
-    prompt's prefix KV may be pulled from (`kv_pull_params`)."""
+    """What the gateway adds to a request for its engines: for those that take ours
+    (servefleet) a batch tenant's `priority` (interactive is the engine's default, 0) and
+    where a long prompt's prefix KV may be pulled from (`kv_pull_params`); for every kind the
+    tenant's `cache_salt` (`servefleet.api.cache_salt`)."""
     config = call.route.pool.config
     if call.path not in ("/v1/chat/completions", "/v1/completions"):
         return {}
     fields = kv_pull_params(config, lease, call.prompt_tokens)
     fields.update(servefleet_fields(call))  # P/D: the decode engine has the prefill one compute
+    if config.prefix_cache_sharing == SHARING_TENANT and call.cache_salt is not None:
+        fields[CACHE_SALT] = call.cache_salt  # the tenant's, never the client's own as sent
     if call.route.traffic_class is TrafficClass.BATCH and config.engine_priority:
         fields["priority"] = "batch"
     return fields
@@ -341,6 +345,7 @@ class Forwarder:
             stream=call.stream,
             client_wants_usage=call.wants_usage,
             model=target.model,
+            drop=(CACHE_SALT,),  # our engines' cache scope: meaningless to a hosted API
         )
         url = target.base_url + call.path.removeprefix("/v1")
         rl = {k.decode(): v.decode() for k, v in call.rl_headers}

@@ -132,12 +132,14 @@ def prepare_body(
     client_wants_usage: bool,
     model: str | None = None,
     extra: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
 ) -> bytes:
-    """The body to send upstream: unchanged unless usage must be asked for, the model renamed
-    or the gateway adds fields of its own (`extra`: the engine priority)."""
-    if model is None and not extra and (not stream or client_wants_usage):
+    """The body to send upstream: unchanged unless usage must be asked for, the model renamed,
+    the gateway adds fields of its own (`extra`: the engine priority) or `drop`s some."""
+    dropped = [name for name in drop if name in parsed]
+    if model is None and not extra and not dropped and (not stream or client_wants_usage):
         return raw
-    body = dict(parsed)
+    body = {k: v for k, v in parsed.items() if k not in dropped}
     body.update(extra or {})
     if model is not None:
         body["model"] = model

@@ -34,6 +34,8 @@ from servefleet.text.messages import template_messages
 from servefleet.text.model_text import load_model_text
 from servefleet.text.tokenizer import Tokenizer
 
+ROOT = root_hash(None)  # the base model's unsalted chain
+
 log = logging.getLogger("servefleet.gateway.tokens")
 
 # Longest prompt counted exactly: ~2 s and ~20 MB of tokenizer memory here. A real prompt of
@@ -109,10 +111,11 @@ class Counted:
     block_hashes: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, ids: Sequence[int], block_size: int | None) -> Counted:
+    def of(cls, ids: Sequence[int], block_size: int | None, root: int = ROOT) -> Counted:
+        """`root`: the chain's start, salted as the engine will (`servefleet.api.cache_salt`)."""
         if block_size is None:
             return cls(len(ids))
-        return cls(len(ids), tuple(chain(root_hash(None), ids, block_size)))
+        return cls(len(ids), tuple(chain(root, ids, block_size)))
 
 
 class PromptTokenCounter:
@@ -151,18 +154,20 @@ class PromptTokenCounter:
         return None  # token ids are counted exactly without a tokenizer
 
     def chat_counted(
-        self, messages: Sequence[Mapping[str, Any]], block_size: int | None
+        self, messages: Sequence[Mapping[str, Any]], block_size: int | None, root: int = ROOT
     ) -> Counted | None:
         """The count, and the prompt's KV block hashes when `block_size` is given."""
         ids = self.chat_ids(messages)
-        return None if ids is None else Counted.of(ids, block_size)
+        return None if ids is None else Counted.of(ids, block_size, root)
 
-    def completion_counted(self, prompt: Any, block_size: int | None) -> Counted | None:
+    def completion_counted(
+        self, prompt: Any, block_size: int | None, root: int = ROOT
+    ) -> Counted | None:
         """A single prompt (text or token ids) is hashed too; a list of texts only counted."""
         if isinstance(prompt, str):
-            return Counted.of(self.tokenizer.encode(prompt), block_size)
+            return Counted.of(self.tokenizer.encode(prompt), block_size, root)
         if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            return Counted.of(prompt, block_size)
+            return Counted.of(prompt, block_size, root)
         count = self.completion(prompt)
         return None if count is None else Counted(count)
 
