@@ -88,11 +88,19 @@ def test_kubectl_get_shows_where_an_adapter_is_loaded(kube: Kube, namespace: str
             ],
         }
     }
-    kube.kubectl(
-        "patch", "llmadapter", "fox", "-n", namespace,
-        "--subresource=status", "--type=merge", "-p", json.dumps(status),
-    )  # fmt: skip
-    table = kube.kubectl("get", "llma", "-n", namespace, "-o", "wide")
+
+    def shown_as_patched() -> str | None:
+        """The table once it shows our status: the session's operator judges adapters in
+        every namespace, and this one names no deployment, so its drift pass may rewrite the
+        status between our patch and our read."""
+        kube.kubectl(
+            "patch", "llmadapter", "fox", "-n", namespace,
+            "--subresource=status", "--type=merge", "-p", json.dumps(status),
+        )  # fmt: skip
+        table = kube.kubectl("get", "llma", "-n", namespace, "-o", "wide")
+        return table if "Loaded" in table and " True " in table else None
+
+    table = wait_for("the patched status in the table", shown_as_patched, timeout=30)
     print(table)
     header, row = table.splitlines()
     assert header.split()[:7] == [

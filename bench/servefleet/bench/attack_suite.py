@@ -41,6 +41,7 @@ from servefleet.bench.attack_stack import SHAPE, VICTIM, AttackStack
 
 QUIET_S = 10.0  # the victim alone, just before each attack: its baseline
 WINDOW_S = 10.0  # the victim's least time under each attack
+RECOVERY_WINDOWS = 3  # quiet windows after an attack in which the victim's median must recover
 # A stack's first requests, not counted; long enough for what engines start once they are
 # ready (the grammar compiler's fork server) to be done with the cores.
 WARM_UP_S = 15.0
@@ -73,10 +74,10 @@ _STACK = (
     serving.prompts_times_n,
     serving.budget_self_raise,
     serving.logit_bias_digits,
+    privacy.prefix_cache_probe,
     serving.wrong_methods,
     serving.engine_bypass,
     serving.disconnect_storm,
-    privacy.prefix_cache_probe,
     internal.internal_without_key,
     internal.hostile_replicas,
 )
@@ -134,23 +135,31 @@ def run_attack(attack: Attack, target: Target) -> AttackResult:
 def rejudge_after_quiet(
     result: AttackResult, target: Target, before: VictimFigures, attacked: VictimFigures
 ) -> None:
-    """Only the victim's p99 moved: measure it alone once more, just after the attack, and
-    judge against the slower of the two quiet windows. A p99 of a few dozen requests on two
-    cores shared with other tests (`make test` runs the cluster tests beside this suite) swings
-    2x between quiet windows; a slowdown that outlasts the attack still fails, because the
-    victim's median after it must stay within the same factor of its median before."""
-    after, _ = _window(target, QUIET_S, lambda: None)
+    """Only the victim's p99 moved: measure it alone again, just after the attack, and judge
+    against the slower quiet window. A p99 of a few dozen requests on two cores shared with
+    other tests (`make test` runs the cluster tests beside this suite) swings 2x between quiet
+    windows. A slowdown that outlasts the attack still fails: within `RECOVERY_WINDOWS` quiet
+    windows the victim's median must come back within the same factor of its median before
+    (one window alone may fall on the other tests' busiest moment)."""
     first = dict(result.victim)
     result.violations = [v for v in result.violations if not v.startswith("victim p99")]
-    quiet = max((before, after), key=lambda f: f.p99_ms or 0.0)
+    afters: list[VictimFigures] = []
+    while len(afters) < RECOVERY_WINDOWS:
+        afters.append(_window(target, QUIET_S, lambda: None)[0])
+        if not (before.p50_ms and afters[-1].p50_ms):
+            break
+        if afters[-1].p50_ms <= P99_FACTOR * before.p50_ms:
+            break
+    quiet = max((before, *afters), key=lambda f: f.p99_ms or 0.0)
     judge_victim(result, quiet, attacked)
+    after = afters[-1]
     result.victim["first_judgement"] = first
-    result.victim["quiet_after_p50_ms"] = after.p50_ms
+    result.victim["quiet_after_p50_ms"] = [a.p50_ms for a in afters]
     if before.p50_ms and after.p50_ms:
         result.require(
             after.p50_ms <= P99_FACTOR * before.p50_ms,
-            f"victim p50 {after.p50_ms:.0f} ms after the attack vs {before.p50_ms:.0f} ms "
-            f"before it (> {P99_FACTOR}x): the stack did not recover",
+            f"victim p50 {after.p50_ms:.0f} ms {len(afters) * QUIET_S:.0f} s after the attack "
+            f"vs {before.p50_ms:.0f} ms before it (> {P99_FACTOR}x): the stack did not recover",
         )
 
 

@@ -17,6 +17,7 @@ from servefleet.api.cache_salt import tenant_salt
 from servefleet.bench import attack_payloads as payloads
 from servefleet.bench.attack_common import AttackResult
 from servefleet.bench.attack_stack import ATTACKER, VICTIM, AttackStack
+from servefleet.bench.fault_stack import MODEL
 
 
 def _cached(response: httpx.Response) -> int | None:
@@ -28,43 +29,66 @@ def _cached(response: httpx.Response) -> int | None:
     return cached if isinstance(cached, int) else None
 
 
+REPEATS = 3  # a repeat may land on the other replica (the victim's load is running): try again
+
+
+def _tokens(stack: AttackStack, content: str) -> list[int]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    answer = stack.post("/tokenize", json.dumps(body).encode())
+    tokens = answer.json().get("tokens") if answer.status_code == 200 else None
+    assert isinstance(tokens, list), answer.text[:200]
+    return tokens
+
+
+def _opening(stack: AttackStack, one: str, other: str, block: int = 16) -> int:
+    """Tokens in the full blocks two chats share before their texts differ: what any prompt
+    of the attacker's may hit of its own earlier chats (the chat template's opening)."""
+    a, b = _tokens(stack, one), _tokens(stack, other)
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+    return common // block * block
+
+
 def prefix_cache_probe(stack: AttackStack, result: AttackResult) -> None:
     """A tenant replays another tenant's prompt to learn from cached_tokens that it was sent.
 
-    The victim's prompt is a hit for the victim's own second request (the cache works) and
-    never for the attacker, neither as sent nor with the victim's salt as its own
-    `cache_salt` (the derivation is public: the gateway salts the salt again). Every chat
-    shares the template's opening, which the attacker's own earlier chats cached: a probe
-    may hit as much as a prompt of the attacker's own that it never sent, and no more."""
+    The victim's prompt is a hit beyond the chat template's opening for the victim's own repeat
+    (the cache works) and never for the attacker, neither as sent nor with the victim's salt
+    as its own `cache_salt` (the derivation is public: the gateway salts the salt again). The
+    opening (the blocks every chat shares before the secret) may be a hit of the attacker's
+    own: it is computed from the two prompts' tokens, not measured, so it holds on any replica."""
+    # short: a probe costs the victim no more than one of its own requests (a prefill on two
+    # cores delays every step it shares); two blocks, the second holding the secret
+    secret, unseen = (f"Account {secrets.token_hex(8)}" for _ in range(2))
 
-    def ask(tenant: str, nonce: str, **extra: str) -> int | None:
-        text = f"Account {nonce} may be closed."  # short: its prefill delays the victim
-        raw = json.dumps({**payloads.chat(text, max_tokens=1, temperature=0), **extra}).encode()
-        return _cached(stack.post("/v1/chat/completions", raw, tenant=tenant))
+    def ask(tenant: str, text: str, **extra: str) -> int | None:
+        body = {**payloads.chat(text, max_tokens=1, temperature=0), **extra}
+        return _cached(stack.post("/v1/chat/completions", json.dumps(body).encode(), tenant=tenant))
 
-    secret, unseen = secrets.token_hex(8), secrets.token_hex(8)
-    sent, again = ask(VICTIM, secret), ask(VICTIM, secret)
-    opening = ask(ATTACKER, unseen)  # what any prompt of the attacker's hits: the opening
+    def repeat(tenant: str, opening: int) -> list[int | None]:
+        hits = [ask(tenant, secret)]
+        while len(hits) < REPEATS and not (hits[-1] or 0) > opening:
+            hits.append(ask(tenant, secret))
+        return hits
+
+    opening = _opening(stack, secret, unseen)
+    sent = ask(VICTIM, secret)
+    again = repeat(VICTIM, opening)
     probes = {
         "as sent": ask(ATTACKER, secret),
         "with the victim's salt": ask(ATTACKER, secret, cache_salt=tenant_salt(VICTIM, None)),
     }
-    own = ask(ATTACKER, secret)  # the attacker's own repeat: its own prefix is a hit
-    result.figures.update(victim=[sent, again], opening=opening, attacker=probes, own=own)
-    ok = None not in (sent, again, opening, own)
-    result.require(ok, f"answers without usage: {sent}, {again}, {opening}, {own}")
-    if not ok:
-        return
-    assert sent is not None and again is not None and opening is not None and own is not None
-    result.require(again > sent, f"the victim's repeat hit {again} of {sent}: nothing to probe")
-    result.require(own > opening, f"the attacker's own repeat hit {own}, an unseen one {opening}")
+    own = repeat(ATTACKER, opening)  # the attacker's own repeats: its own prefix is a hit
+    result.figures.update(opening=opening, victim=[sent, *again], attacker=probes, own=own)
+    result.require(sent is not None, f"the victim's first request answered {sent}")
+    result.require((again[-1] or 0) > opening, f"the victim's repeats hit {again}: no cache")
+    result.require((own[-1] or 0) > opening, f"the attacker's own repeats hit {own}: no cache")
     for label, cached in probes.items():
         result.require(
             cached is not None and cached <= opening,
-            f"attacker {label}: {cached} cached tokens, its own unseen prompt {opening}",
+            f"attacker {label}: {cached} cached tokens, more than the opening ({opening})",
         )
     result.outcome = (
-        f"victim's repeat {again} cached tokens (first {sent}); attacker's probes "
+        f"victim's repeat {again[-1]} cached tokens; attacker's probes "
         + ", ".join(f"{label} {cached}" for label, cached in probes.items())
-        + f", as many as its unseen prompt ({opening}); its own repeat {own}"
+        + f", at most the template's opening ({opening}); its own repeat {own[-1]}"
     )
