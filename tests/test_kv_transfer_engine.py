@@ -102,10 +102,20 @@ def test_a_pulled_prefix_gives_the_same_output(pair: Pair) -> None:
     b.kv_cache.check_all_free()
 
 
-def _cutting_proxy(source: str, cut_after: int) -> Starlette:
-    """An export source that forwards `cut_after` bytes of the real one, then dies."""
+def _export_proxy(
+    source: str,
+    *,
+    cut_after: int | None = None,
+    delay_s: float = 0.0,
+    exports: list[int] | None = None,
+) -> Starlette:
+    """An export source in front of the real one: it waits `delay_s`, forwards the stream
+    (only `cut_after` bytes of it, then dies, when given) and counts its exports."""
 
     async def export(request: Request) -> StreamingResponse:
+        if exports is not None:
+            exports.append(1)
+        await asyncio.sleep(delay_s)
         body = await request.body()
         client = httpx.AsyncClient(timeout=60)
         req = client.build_request(
@@ -113,16 +123,19 @@ def _cutting_proxy(source: str, cut_after: int) -> Starlette:
         )
         resp = await client.send(req, stream=True)
 
-        async def cut() -> AsyncIterator[bytes]:
+        async def relay() -> AsyncIterator[bytes]:
             sent = 0
             async for chunk in resp.aiter_raw():
+                if cut_after is None:
+                    yield chunk
+                    continue
                 yield chunk[: cut_after - sent]
                 sent += len(chunk)
                 if sent >= cut_after:
                     raise RuntimeError("the source died")
             await client.aclose()
 
-        return StreamingResponse(cut(), media_type=resp.headers["content-type"])
+        return StreamingResponse(relay(), media_type=resp.headers["content-type"])
 
     return Starlette(routes=[Route(EXPORT_PATH, export, methods=["POST"])])
 
@@ -135,7 +148,7 @@ def test_a_source_that_dies_halfway_leaves_a_verified_prefix(pair: Pair) -> None
     store = a.state.kv_store
     assert store is not None
     cut = 5 * store.bytes_per_block + store.bytes_per_block // 2  # mid-frame, ~5 blocks in
-    with processes.serve_in_thread(_cutting_proxy(a_url, cut), lifespan="off") as proxy:
+    with processes.serve_in_thread(_export_proxy(a_url, cut_after=cut), lifespan="off") as proxy:
         got, _, cached = complete(b_url, kv_transfer_params={"kv_sources": [proxy]})
     assert got == expected
     assert 0 < cached < prompt_tokens - 16
@@ -200,29 +213,6 @@ def test_sources_outside_the_peer_networks_are_refused(pair: Pair) -> None:
         assert r.json()["error"]["param"] == "kv_transfer_params.kv_sources"
 
 
-def _slow_proxy(source: str, delay_s: float, exports: list[int]) -> Starlette:
-    """An export source that waits `delay_s` before relaying the real one; counts exports."""
-
-    async def export(request: Request) -> StreamingResponse:
-        exports.append(1)
-        await asyncio.sleep(delay_s)
-        body = await request.body()
-        client = httpx.AsyncClient(timeout=60)
-        req = client.build_request(
-            "POST", source + EXPORT_PATH, content=body, headers=dict(request.headers)
-        )
-        resp = await client.send(req, stream=True)
-
-        async def relay() -> AsyncIterator[bytes]:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-            await client.aclose()
-
-        return StreamingResponse(relay(), media_type=resp.headers["content-type"])
-
-    return Starlette(routes=[Route(EXPORT_PATH, export, methods=["POST"])])
-
-
 def _imported_blocks(url: str) -> float:
     found = re.findall(
         r'servefleet_engine_kv_transfer_blocks_total\{direction="import",[^}]*\} ([0-9.e+]+)',
@@ -241,7 +231,9 @@ def test_requests_missing_the_same_prefix_pull_it_once(pair: Pair) -> None:
     before = _imported_blocks(b_url)
     exports: list[int] = []
     params = {"kv_transfer_params": {"kv_sources": [], "deadline_s": 30.0}}
-    with processes.serve_in_thread(_slow_proxy(a_url, 1.0, exports), lifespan="off") as proxy:
+    with processes.serve_in_thread(
+        _export_proxy(a_url, delay_s=1.0, exports=exports), lifespan="off"
+    ) as proxy:
         params["kv_transfer_params"]["kv_sources"] = [proxy]
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(complete, b_url, **params)
