@@ -26,6 +26,7 @@ from servefleet.gateway.limits_redis import RedisLimiter
 from tests.test_gateway_limits import start_redis
 
 DAILY = 1000
+REDIS_TIMEOUT_S = 2.0
 DAY = (Budget("daily", "tokens", DAILY),)
 
 
@@ -58,8 +59,10 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
 
 
 def limiter(redis: Redis, share: float = 1.0, lease_ttl_s: float = 30.0) -> FailoverLimiter:
+    # A killed server refuses connections at once, so the timeout only bounds a slow one: the
+    # server syncs every write to disk, which took over 0.2 s on a busy CI machine.
     return FailoverLimiter(
-        RedisLimiter(redis.url, timeout_s=0.2, lease_ttl_s=lease_ttl_s),
+        RedisLimiter(redis.url, timeout_s=REDIS_TIMEOUT_S, lease_ttl_s=lease_ttl_s),
         LocalLimiter(),
         share=share,
         min_backoff_s=0.05,

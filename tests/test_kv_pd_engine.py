@@ -25,8 +25,8 @@ from servefleet.bench import processes
 from servefleet.engine.kv_wire import WireReader
 from servefleet.engine.process import BuiltEngine
 from tests.support.engine_harness import running_engine
+from tests.support.export_proxy import export_proxy
 from tests.support.http_server import serve_in_thread
-from tests.test_kv_transfer_engine import _cutting_proxy
 
 MODEL = "smollm2-135m-instruct"
 KEY = "pd-test-key"
@@ -129,7 +129,7 @@ def test_a_prefill_engine_that_dies_mid_export_leaves_d_to_recompute(pair: Pair)
     store = p.state.kv_store
     assert store is not None
     cut = 4 * store.bytes_per_block + store.bytes_per_block // 3  # mid-frame, 4 blocks in
-    with processes.serve_in_thread(_cutting_proxy(p_url, cut), lifespan="off") as proxy:
+    with processes.serve_in_thread(export_proxy(p_url, cut_after=cut), lifespan="off") as proxy:
         params = {"remote_prefill": proxy, "deadline_s": 60}
         got, _, cached = complete(d_url, GREEDY, kv_transfer_params=params)
     assert got == expected

@@ -13,17 +13,13 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.routing import Route
 
 from servefleet.api.kv_blocks import chain, root_hash
 from servefleet.api.kv_transfer import (
@@ -37,6 +33,7 @@ from servefleet.api.kv_transfer import (
 from servefleet.bench import processes
 from servefleet.engine.process import BuiltEngine
 from tests.support.engine_harness import running_engine
+from tests.support.export_proxy import export_proxy
 from tests.support.http_server import serve_in_thread
 
 MODEL = "smollm2-135m-instruct"
@@ -102,44 +99,6 @@ def test_a_pulled_prefix_gives_the_same_output(pair: Pair) -> None:
     b.kv_cache.check_all_free()
 
 
-def _export_proxy(
-    source: str,
-    *,
-    cut_after: int | None = None,
-    delay_s: float = 0.0,
-    exports: list[int] | None = None,
-) -> Starlette:
-    """An export source in front of the real one: it waits `delay_s`, forwards the stream
-    (only `cut_after` bytes of it, then dies, when given) and counts its exports."""
-
-    async def export(request: Request) -> StreamingResponse:
-        if exports is not None:
-            exports.append(1)
-        await asyncio.sleep(delay_s)
-        body = await request.body()
-        client = httpx.AsyncClient(timeout=60)
-        req = client.build_request(
-            "POST", source + EXPORT_PATH, content=body, headers=dict(request.headers)
-        )
-        resp = await client.send(req, stream=True)
-
-        async def relay() -> AsyncIterator[bytes]:
-            sent = 0
-            async for chunk in resp.aiter_raw():
-                if cut_after is None:
-                    yield chunk
-                    continue
-                yield chunk[: cut_after - sent]
-                sent += len(chunk)
-                if sent >= cut_after:
-                    raise RuntimeError("the source died")
-            await client.aclose()
-
-        return StreamingResponse(relay(), media_type=resp.headers["content-type"])
-
-    return Starlette(routes=[Route(EXPORT_PATH, export, methods=["POST"])])
-
-
 def test_a_source_that_dies_halfway_leaves_a_verified_prefix(pair: Pair) -> None:
     a, a_url, b, b_url = pair
     reset(a)
@@ -148,7 +107,7 @@ def test_a_source_that_dies_halfway_leaves_a_verified_prefix(pair: Pair) -> None
     store = a.state.kv_store
     assert store is not None
     cut = 5 * store.bytes_per_block + store.bytes_per_block // 2  # mid-frame, ~5 blocks in
-    with processes.serve_in_thread(_export_proxy(a_url, cut_after=cut), lifespan="off") as proxy:
+    with processes.serve_in_thread(export_proxy(a_url, cut_after=cut), lifespan="off") as proxy:
         got, _, cached = complete(b_url, kv_transfer_params={"kv_sources": [proxy]})
     assert got == expected
     assert 0 < cached < prompt_tokens - 16
@@ -232,7 +191,7 @@ def test_requests_missing_the_same_prefix_pull_it_once(pair: Pair) -> None:
     exports: list[int] = []
     params = {"kv_transfer_params": {"kv_sources": [], "deadline_s": 30.0}}
     with processes.serve_in_thread(
-        _export_proxy(a_url, delay_s=1.0, exports=exports), lifespan="off"
+        export_proxy(a_url, delay_s=1.0, exports=exports), lifespan="off"
     ) as proxy:
         params["kv_transfer_params"]["kv_sources"] = [proxy]
         with ThreadPoolExecutor(2) as pool:
