@@ -5,15 +5,25 @@ JSON schema."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from servefleet.bench import isa_matrix
 from servefleet.bench.isa_arms import engine_args, plan_arms, select_arms
 from servefleet.bench.isa_ratios import add_ratios
 from servefleet.bench.isa_report import markdown_table
 from servefleet.bench.isa_workloads import FIGURES, WORKLOADS
-from servefleet.bench.source_trees import SourceTree, parse_flags
+from servefleet.bench.source_trees import (
+    SOURCE_COMMIT_ENV,
+    SourceTree,
+    describe_commit,
+    exported_tree,
+    parse_flags,
+    repo_root,
+)
 
 AVX512_BF16 = {"avx2", "fma", "avx512f", "avx512_bf16"}
 AVX2 = {"avx2", "fma"}
@@ -159,3 +169,25 @@ def test_a_tree_with_the_invariant_mode_also_runs_float32_with_it_off() -> None:
     assert args[-2:] == ["--batch-invariant", "off"] and dropped == []
     default_args, _, _ = engine_args(current, arms[1], "m", 2, 16, "int8")
     assert "--batch-invariant" not in default_args
+
+
+def test_an_exported_tree_without_git_history_runs_as_the_baseline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine with the files but no git (`git archive C | tar -x`): its commit comes from
+    the caller, and the exported tree's own modules are the ones imported."""
+    exported = tmp_path / "old"
+    exported.mkdir()
+    archive = subprocess.run(
+        ["git", "archive", "HEAD", "api", "text", "engine", "cli"],
+        cwd=repo_root(), capture_output=True, check=True,
+    ).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(exported)], input=archive, check=True)
+    old = exported_tree("abc1234", exported)
+    assert old.commit == "abc1234" and old.pythonpath
+    assert all(str(f).startswith(str(exported)) for f in old.modules["servefleet.engine"])  # type: ignore[attr-defined]
+    assert "--matmul-dtype" in old.flags
+    monkeypatch.setenv(SOURCE_COMMIT_ENV, "def5678")
+    assert describe_commit(exported) == "def5678"
+    with pytest.raises(RuntimeError, match="not an exported servefleet tree"):
+        exported_tree("abc1234", tmp_path)

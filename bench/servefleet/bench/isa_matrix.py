@@ -47,7 +47,7 @@ from servefleet.bench.isa_workloads import (
     workload_options,
 )
 from servefleet.bench.rss import RssSampler
-from servefleet.bench.source_trees import SourceTree, commit_tree, current_tree
+from servefleet.bench.source_trees import SourceTree, commit_tree, current_tree, exported_tree
 from servefleet.engine.cpu_isa import cpu_flags
 from servefleet.text.builtin import resolve_builtin
 
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=SERVED, help="built-in name or GGUF path")
     p.add_argument("--quick", action="store_true", help="1 request per workload, 16 tokens out")
     p.add_argument("--baseline-commit", default=None, help="older commit run beside this one")
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="the older commit already exported here (no git needed); names it --baseline-commit",
+    )
     p.add_argument("--with-plain", action="store_true", help="also the plain-C matmul build")
     p.add_argument("--arms", default=None, help="comma-separated arm names (default: all)")
     p.add_argument("--rounds", type=int, default=None, help="rounds (default 2, quick 1)")
@@ -72,7 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.baseline_tree and not args.baseline_commit:
+        p.error("--baseline-tree needs --baseline-commit, the commit it was exported from")
+    return args
 
 
 def cpu_record() -> dict[str, Any]:
@@ -208,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         trees = {"current": current_tree()}
         if args.baseline_commit:
-            baseline = stack.enter_context(commit_tree(args.baseline_commit))
+            baseline = (
+                exported_tree(args.baseline_commit, args.baseline_tree)
+                if args.baseline_tree
+                else stack.enter_context(commit_tree(args.baseline_commit))
+            )
             trees[baseline.label] = baseline
         flags = cpu_flags()
         arms = select_arms(plan_arms(list(trees.values()), flags, args.with_plain), args.arms)

@@ -27,6 +27,9 @@ from pydantic import BaseModel, ConfigDict
 from servefleet.bench.processes import servefleet_command
 
 CURRENT = "current"
+# In a copy of the tree without git history (a build machine, a container), the commit it was
+# copied from, as the caller knows it; recorded instead of `git rev-parse`.
+SOURCE_COMMIT_ENV = "SERVEFLEET_SOURCE_COMMIT"
 ISA_ENV_NAME = "SERVEFLEET_MATMUL_ISA"
 _PROBE = (
     "import json, servefleet.engine, servefleet.cli.main\n"
@@ -65,17 +68,19 @@ class SourceTree(BaseModel):
 
 
 def repo_root() -> Path:
+    """The checkout this module lives in (bench/servefleet/bench/ is three folders down)."""
     here = Path(__file__).resolve().parent
     out = subprocess.run(
         ["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True
     )
-    if out.returncode != 0:
-        raise RuntimeError(f"not inside a git checkout: {out.stderr.strip()}")
-    return Path(out.stdout.strip())
+    return Path(out.stdout.strip()) if out.returncode == 0 else here.parents[2]
 
 
 def describe_commit(root: Path, rev: str = "HEAD") -> str:
-    """Short sha, with `+dirty` when it is this checkout and it has uncommitted changes."""
+    """Short sha, with `+dirty` when it is this checkout and it has uncommitted changes; in a
+    copy without git history, $SERVEFLEET_SOURCE_COMMIT (else "unknown")."""
+    if rev == "HEAD" and not (root / ".git").exists():
+        return os.environ.get(SOURCE_COMMIT_ENV) or "unknown"
     sha = _git(root, "rev-parse", "--short", rev)
     if rev == "HEAD" and _git(root, "status", "--porcelain", "--untracked-files=no"):
         return f"{sha}+dirty"
@@ -149,6 +154,14 @@ def _run(argv: list[str], env: dict[str, str]) -> str:
 def current_tree() -> SourceTree:
     root = repo_root()
     return inspect_tree(CURRENT, describe_commit(root), root, [])
+
+
+def exported_tree(commit: str, tree: Path) -> SourceTree:
+    """`commit` already exported to `tree` (`git archive C | tar -x -C tree`), for a machine
+    that has the files but no git history; the folder is left as it is."""
+    if not (tree / "engine" / "servefleet").is_dir():
+        raise RuntimeError(f"{tree} holds no engine/servefleet: not an exported servefleet tree")
+    return inspect_tree(commit, commit, tree.resolve(), component_roots(tree.resolve()))
 
 
 @contextlib.contextmanager
