@@ -86,11 +86,11 @@ def test_an_old_engine_is_passed_only_what_it_understands() -> None:
     arm = plan_arms([OLD], AVX2, False)[0]
     args, env, dropped = engine_args(OLD, arm, "m", 2, 16, "int8")
     assert args == ["--threads", "2", "--max-num-seqs", "16"]
-    assert env == {}
+    assert env == {"CUDA_VISIBLE_DEVICES": ""}  # a CPU benchmark on a GPU machine too
     assert dropped == ["--served-model-name m", "--kv-cache-dtype int8", "--matmul-dtype float32"]
     capped = plan_arms([CURRENT], AVX512_BF16, False)[2]
     args, env, _ = engine_args(CURRENT, capped, "m", 2, 16, "int8")
-    assert env == {"SERVEFLEET_MATMUL_ISA": "avx2"}
+    assert env == {"CUDA_VISIBLE_DEVICES": "", "SERVEFLEET_MATMUL_ISA": "avx2"}
     assert args[args.index("--matmul-dtype") + 1] == "bfloat16"
 
 

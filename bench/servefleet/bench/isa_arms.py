@@ -98,6 +98,9 @@ def select_arms(arms: list[Arm], names: str | None) -> list[Arm]:
     return chosen
 
 
+HIDE_GPUS_ENV = "CUDA_VISIBLE_DEVICES"
+
+
 def engine_args(
     tree: SourceTree, arm: Arm, served: str, threads: int, parallel: int, kv_cache_dtype: str
 ) -> tuple[list[str], dict[str, str], list[str]]:
@@ -119,7 +122,9 @@ def engine_args(
             args += [name, value]
         else:
             dropped.append(f"{name} {value}")
-    env = {} if arm.isa == NATIVE else {ISA_ENV_NAME: arm.isa}
+    # A CPU benchmark also on a machine with a GPU, where an engine's `--device auto` (and an
+    # older engine's default) would pick CUDA: no engine of any tree sees a GPU.
+    env = {HIDE_GPUS_ENV: ""} if arm.isa == NATIVE else {HIDE_GPUS_ENV: "", ISA_ENV_NAME: arm.isa}
     return args, env, dropped
 
 
