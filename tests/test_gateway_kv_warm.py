@@ -1,7 +1,8 @@
 """Scale-up warm start, the gateway's half: a replica whose readiness probe answers 503
 kv-warming is asked once to warm from the pool's ready replicas (never itself), the first
 replica of a pool is told there is no peer (so it is ready at once), and the engine key is
-sent. A replica that answers anything else is never asked."""
+sent. A replica that answers anything else is never asked. The sizes are the deployment's
+`spec.kvWarmStart`: the bound reaches the engine's flag, the blocks and deadline the call."""
 
 from __future__ import annotations
 
@@ -11,25 +12,30 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from servefleet.api.conventions import ROUTE_GATEWAY_KEY
 from servefleet.api.gateway_config import (
     GatewayConfig,
     GatewayDeployment,
     RoutingConfig,
     TenantAccess,
 )
-from servefleet.api.kv_warm import WARM_PATH, WARMING_DETAIL
+from servefleet.api.kv_warm import WARM_PATH, WARMING_DETAIL, KVWarmStartSpec
 from servefleet.bench.fake_upstream import FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
 from servefleet.gateway.kv_warm import WarmAsker, warm_sources
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.routing import ReplicaSet
+from servefleet.operator import render
 from tests.test_gateway_probes import states, tenant, wait_until
+from tests.test_operator_render import KEY, make, pod_spec
 
 
 class WarmingEngine:
@@ -61,7 +67,14 @@ def served() -> Iterator[tuple[Gateway, ExitStack]]:
     with ExitStack() as stack:
         config = GatewayConfig(
             tenants=[tenant("a")],
-            deployments=[GatewayDeployment(name="d", model="m", tenants=[TenantAccess(name="a")])],
+            deployments=[
+                GatewayDeployment(
+                    name="d",
+                    model="m",
+                    tenants=[TenantAccess(name="a")],
+                    kv_warm=KVWarmStartSpec(max_blocks=100, deadline_seconds=4.0),
+                )
+            ],
             routing=RoutingConfig(probe_interval_seconds=0.05),
         )
         gateway = Gateway(config)
@@ -81,7 +94,7 @@ def test_a_warming_replica_is_asked_once_with_the_ready_peers(
     ((body, key),) = engine.calls
     assert sorted(body["sources"]) == sorted(peers)
     assert new not in body["sources"]
-    assert body["max_blocks"] > 0 and body["deadline_s"] > 0
+    assert (body["max_blocks"], body["deadline_s"]) == (100, 4.0)  # the deployment's sizes
     assert key is None  # this deployment has no engine key
 
 
@@ -132,3 +145,29 @@ async def test_each_replica_object_is_asked_once() -> None:
         asker.forget_gone([])
         assert asker.ask(client, pool, replica)
         await asker.close()
+
+
+MODEL = {"name": "m", "source": {"builtin": "smollm2-135m-instruct"}}
+
+
+def test_the_spec_sizes_reach_the_engine_flag_and_the_gateway_route() -> None:
+    sizes = {"seconds": 3, "maxBlocks": 100, "deadlineSeconds": 4}
+    args = pod_spec({"model": MODEL, "kvWarmStart": sizes})["containers"][0]["args"]
+    assert args[args.index("--kv-warm-start-seconds") + 1] == "3.0"
+    default = pod_spec({"model": MODEL})["containers"][0]["args"]
+    assert default[default.index("--kv-warm-start-seconds") + 1] == "10.0"
+    configmap = render.gateway_route_configmap(make({"model": MODEL, "kvWarmStart": sizes}), KEY)
+    config = GatewayConfig.model_validate(yaml.safe_load(configmap["data"][ROUTE_GATEWAY_KEY]))
+    (deployment,) = config.deployments
+    assert deployment.kv_warm == KVWarmStartSpec(seconds=3, max_blocks=100, deadline_seconds=4)
+    no_cache = {"model": MODEL, "engine": {"prefixCaching": False}, "kvWarmStart": sizes}
+    assert "--kv-warm-start-seconds" not in pod_spec(no_cache)["containers"][0]["args"]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [{"seconds": 61}, {"seconds": -1}, {"maxBlocks": 8193}, {"deadlineSeconds": 0}, {"x": 1}],
+)
+def test_spec_sizes_out_of_bounds_are_refused(sizes: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="kvWarmStart"):
+        make({"model": MODEL, "kvWarmStart": sizes})

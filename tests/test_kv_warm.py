@@ -4,7 +4,9 @@ A peer's hot list names its cached chains, hottest (least evictable) first, with
 budget. A new engine whose `/ready` says kv-warming pulls those chains when asked to warm,
 then is ready, and its first request on a hot prefix is a cache hit with the same tokens.
 Without a warm call it is ready after its bound; a warm naming no source makes it ready at
-once; every path needs the engine key and sources inside --kv-peer-networks.
+once; every path needs the engine key and sources inside --kv-peer-networks. A salted chain
+an engine only holds because it pulled it (a prefix pull, a P/D prefill, a warm start) is
+offered on by its own hot list, so a third engine warming from it alone gets it too.
 """
 
 from __future__ import annotations
@@ -67,6 +69,27 @@ def pair(smollm2: Any) -> Iterator[Pair]:
         b = stack.enter_context(running_engine(smollm2, **SETTINGS))
         a.state.api_key = b.state.api_key = KEY
         yield a, stack.enter_context(serve_in_thread(a)), b, stack.enter_context(serve_in_thread(b))
+
+
+@pytest.fixture(scope="module")
+def third(smollm2: Any) -> Iterator[tuple[BuiltEngine, str]]:
+    with ExitStack() as stack:
+        c = stack.enter_context(running_engine(smollm2, **SETTINGS))
+        c.state.api_key = KEY
+        yield c, stack.enter_context(serve_in_thread(c))
+
+
+def _hot(url: str) -> set[tuple[str, ...]]:
+    r = httpx.post(url + HOT_PATH, json={}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return {tuple(chain["hashes"]) for chain in r.json()["chains"]}
+
+
+def _warm(built: BuiltEngine, url: str, source: str) -> int:
+    built.state.kv_warm = WarmGate(600.0)
+    r = httpx.post(url + WARM_PATH, json={"sources": [source]}, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return int(r.json()["blocks"])
 
 
 def _ready(url: str) -> tuple[int, str | None]:
@@ -134,3 +157,31 @@ def test_the_gate_ends_at_its_bound_or_when_a_warm_finishes() -> None:
     assert not gate.warming(gate.opened_at + 61.0)
     gate.finish()
     assert not gate.warming()
+
+
+def test_a_pulled_salted_chain_is_offered_on_to_the_next_warm_start(
+    pair: Pair, third: tuple[BuiltEngine, str]
+) -> None:
+    a, a_url, b, b_url = pair
+    c, c_url = third
+    salt = {"cache_salt": "tenant-7"}
+    reset(a), reset(b), reset(c)
+    expected, prompt_tokens, _ = complete(a_url, **salt)
+    full = (prompt_tokens - 1) // 16 * 16 - 16
+    _, _, cached = complete(b_url, kv_transfer_params={"kv_sources": [a_url]}, **salt)
+    assert cached >= full  # B holds the salted chain only because it pulled it
+    assert _hot(b_url) == _hot(a_url) != set()  # and offers it as A does
+    assert _warm(c, c_url, b_url) > 0  # C, warmed from B alone, gets it
+    got, _, cached = complete(c_url, **salt)
+    assert got == expected and cached >= full
+    reset(a), reset(b)
+    assert _warm(b, b_url, c_url) > 0  # C holds it only by a warm start: offered on too
+    assert _hot(b_url) == _hot(c_url) != set()
+    reset(b)  # P/D: B has A compute the prompt and stream its blocks
+    params = {"remote_prefill": a_url, "deadline_s": 60}
+    got, _, cached = complete(b_url, kv_transfer_params=params, **salt)
+    assert got == expected and cached >= full
+    (a_chain,) = _hot(a_url)
+    assert any(c[: len(a_chain)] == a_chain for c in _hot(b_url))
+    for built in (a, b, c):
+        built.kv_cache.check_all_free()

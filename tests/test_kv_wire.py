@@ -13,6 +13,7 @@ from servefleet.api.kv_blocks import chain, root_hash
 from servefleet.engine.kv_cache import KVCacheManager
 from servefleet.engine.kv_quant import quantize_rows
 from servefleet.engine.kv_store import KVStore, VerifiedBlock
+from servefleet.engine.kv_warm import hot_chains
 from servefleet.engine.kv_wire import END, WireError, WireReader, encode_frame, encode_header
 
 BS, LAYERS, HEADS, HEAD_DIM, BLOCKS = 4, 2, 1, 8, 40
@@ -27,13 +28,13 @@ def _store(dtype: torch.dtype, fingerprint: str = "fp", seed: int = 0) -> KVStor
     return KVStore(storage.contiguous(), kv, fingerprint, {"kv_cache_dtype": str(dtype)})
 
 
-def _fill(store: KVStore, hashes: list[int]) -> None:
+def _fill(store: KVStore, hashes: list[int], root: int | None = None) -> None:
     """Cache `hashes` (TOKENS' blocks) as a sequence would: allocated, published, freed."""
     blocks = store.kv.pool.allocate(len(hashes))
-    parent = root_hash(None)
+    parent = root_hash(None) if root is None else root
     for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
         tokens = tuple(TOKENS[i * BS : (i + 1) * BS])
-        store.kv.pool.cache_block(block, block_hash, parent, tokens)
+        store.kv.pool.cache_block(block, block_hash, parent, tokens, first=i == 0)
         parent = block_hash
     store.kv.pool.free(reversed(blocks))
 
@@ -55,10 +56,10 @@ def _receive(store: KVStore, stream: bytes, expected: list[int] | None) -> list[
     return reader.feed(stream)
 
 
-def _commit(store: KVStore, blocks: list[VerifiedBlock]) -> None:
+def _commit(store: KVStore, blocks: list[VerifiedBlock], first: int | None = None) -> None:
     ids = store.stage(len(blocks) + 1)  # one more than needed: the spare must go back
     store.write(ids[: len(blocks)], [b.data for b in blocks])
-    store.commit(ids, blocks)
+    store.commit(ids, blocks, first)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -157,3 +158,28 @@ def test_caps_bound_pins_and_stages() -> None:
     store.commit(ids, [])
     assert store.staged == 0
     store.kv.check_all_free()
+
+
+def _firsts(store: KVStore, hashes: list[int]) -> list[bool]:
+    return [b.first for h in hashes if (b := store.kv.pool.lookup(h)) is not None]
+
+
+def test_an_imported_chain_start_is_marked_first_and_offered_on() -> None:
+    """A salted chain cannot be walked back to the unsalted root: only its first block's
+    mark lets the hot list offer it. An import marks the block the importer names, never
+    one whose parent is cached here (that is no chain's start, whatever a peer says)."""
+    salted = chain(root_hash(None, "tenant-salt"), TOKENS, BS)
+    sender = _store(torch.float32)
+    _fill(sender, salted, root_hash(None, "tenant-salt"))
+    assert hot_chains(sender.kv.pool, 100, 10) == [salted]
+    blocks = _receive(sender, _stream(sender, salted), salted)
+    unnamed, named, claimed = (_store(torch.float32, seed=i) for i in (1, 2, 3))
+    _commit(unnamed, blocks)
+    assert hot_chains(unnamed.kv.pool, 100, 10) == []  # held, but not offered on
+    _commit(named, blocks, first=salted[0])
+    assert hot_chains(named.kv.pool, 100, 10) == [salted]
+    assert _firsts(named, salted) == [True, False, False]
+    _commit(claimed, blocks[:1], first=salted[0])
+    _commit(claimed, blocks[1:], first=salted[1])  # a mid-chain block named as a start
+    assert _firsts(claimed, salted) == [True, False, False]
+    assert hot_chains(claimed.kv.pool, 100, 10) == [salted]

@@ -109,7 +109,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         "on start, /ready answers 503 kv-warming for at most this long, so the gateway can "
         "have the new replica pull its peers' hottest prefixes first (POST /internal/kv/warm); "
         "0: ready at once (the default for an engine started by hand: nothing warms it; the "
-        "operator and local mode pass 10)",
+        "operator and local mode pass spec.kvWarmStart.seconds, 10 unless set)",
         kind=float,
         default=0.0,
         minimum=0,

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from servefleet.api.disaggregation import Role
 from servefleet.api.disaggregation_flags import role_args, role_extra_args
 from servefleet.api.engine_flags import API_KEY_ENV, flag
-from servefleet.api.kv_warm import WARM_START_SECONDS
 from servefleet.api.llmdeployment import VLLM_QUANTIZATIONS, EngineKind, LLMDeploymentSpec
 from servefleet.api.load_quantization import LOAD_QUANTIZATIONS
 from servefleet.api.parallel import PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG
@@ -149,7 +148,7 @@ def _servefleet_args(spec: LLMDeploymentSpec, model: str, listen: EngineListen) 
     if not engine.prefix_caching:
         flags.append(flag("enable_prefix_caching"))
     else:  # the gateway warms a new replica from its peers' caches (`kv_warm`)
-        flags += _ours(("kv_warm_start_seconds", WARM_START_SECONDS))
+        flags += _ours(("kv_warm_start_seconds", spec.kv_warm_start.seconds))
     speculative = engine.speculative
     if speculative is not None:
         flags += [flag("speculative_config"), speculative.flag_value(ours=True)]

@@ -22,6 +22,7 @@ from servefleet.api.batches import BatchConfig
 from servefleet.api.budgets import TokenPrices
 from servefleet.api.cache_salt import PrefixCacheSharing
 from servefleet.api.chargeback_spec import ChargebackSpec
+from servefleet.api.kv_warm import KVWarmStartSpec
 from servefleet.api.llmdeployment import (
     AdmissionSpec,
     PoolSpec,
@@ -253,6 +254,10 @@ class GatewayDeployment(ConfigModel):
         gt=0,
         le=60,
         description="How long an engine may spend pulling before it recomputes the rest.",
+    )
+    kv_warm: KVWarmStartSpec = Field(
+        default_factory=KVWarmStartSpec,
+        description="spec.kvWarmStart: the blocks and deadline of each warm call.",
     )
     prefix_cache_sharing: PrefixCacheSharing = Field(
         default="tenant",

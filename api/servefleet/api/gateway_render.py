@@ -130,6 +130,7 @@ def render_gateway_config(
                 exact_continuation=dep.spec.engine.kind == "servefleet",
                 kv_pull_min_tokens=256 if dep.spec.engine.kind == "servefleet" else None,
                 engine_priority=dep.spec.engine.kind == "servefleet",
+                kv_warm=dep.spec.kv_warm_start,
                 prefix_cache_sharing=dep.spec.prefix_cache_sharing,
                 max_model_len=dep.spec.engine.max_model_len,
                 allowed_replica_networks=allowed_replica_networks,

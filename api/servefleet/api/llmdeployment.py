@@ -27,6 +27,7 @@ from servefleet.api.disaggregation import (
     transfer_refusal,
 )
 from servefleet.api.engine_spec import Dtype, EngineKind, EngineSpec, EnvVar, ResourceRequirements
+from servefleet.api.kv_warm import KVWarmStartSpec
 from servefleet.api.load_quantization import LOAD_QUANTIZATIONS, LoadQuantization
 from servefleet.api.model_source import (
     HostPathModelCache,
@@ -274,6 +275,11 @@ class LLMDeploymentSpec(ApiModel):
         "prefixes, the gateway salts every request with its tenant) or deployment (every "
         "tenant of this deployment: more hits, but a tenant can learn from cached_tokens or "
         "timing which prefixes another sent). A request's own cache_salt splits it further.",
+    )
+    kv_warm_start: KVWarmStartSpec = Field(
+        default_factory=KVWarmStartSpec,
+        description="Scale-up warm start (servefleet engines, prefix cache on): a new replica "
+        "pulls its ready peers' hottest prefixes before it reports ready.",
     )
     tenants: list[TenantSpec] = Field(
         default_factory=list,

@@ -109,7 +109,8 @@ async def pull_prefix(
         if missing and not worth_pulling(state.engine.prompt_rate, store, len(missing)):
             state.engine.metrics.kv_transfer.fallback("recompute_cheaper")
             return 0
-        return await _pull_missing(state, store, params, missing, adapter, deadline)
+        first = chain_start(hashes, adapter)
+        return await _pull_missing(state, store, params, missing, adapter, deadline, first)
     finally:
         if mine is not None:
             mine.set()
@@ -123,8 +124,10 @@ async def _pull_missing(
     missing: list[int],
     adapter: int | None,
     deadline: float,
+    first: int | None,
 ) -> int:
-    """`missing` from the sources (the likeliest holder first) until the deadline."""
+    """`missing` from the sources (the likeliest holder first) until the deadline; `first`
+    as `pull_from` takes it."""
     if not missing:
         return 0
     pulled = 0
@@ -134,12 +137,19 @@ async def _pull_missing(
     for source in sources:
         if not missing or time.monotonic() >= deadline:
             break
-        got = await pull_from(state, store, source, missing, adapter, deadline)
+        got = await pull_from(state, store, source, missing, adapter, deadline, first=first)
         pulled += got
         missing = missing[got:]
     if missing:
         state.engine.metrics.kv_transfer.fallback("incomplete" if pulled else "nothing_pulled")
     return pulled
+
+
+def chain_start(hashes: list[int], adapter: int | None) -> int | None:
+    """A request's first block, when its chain is the base model's (salted or not): computed
+    here from the request's own root, so an import may mark it `first` (`KVStore.commit`)
+    as the scheduler marks a computed one. Adapter chains never are (`kv_warm` skips them)."""
+    return hashes[0] if hashes and adapter is None else None
 
 
 def worth_pulling(prompt_rate: Ewma, store: KVStore, blocks: int) -> bool:
@@ -211,7 +221,8 @@ async def remote_prefill(
     }
     deadline = time.monotonic() + params.deadline_s
     source = params.remote_prefill.rstrip("/")
-    got = await pull_from(state, store, source, hashes[held:], adapter, deadline, body)
+    first = chain_start(hashes, adapter)
+    got = await pull_from(state, store, source, hashes[held:], adapter, deadline, body, first)
     if held + got < usable:
         state.engine.metrics.kv_transfer.fallback("incomplete" if got else "nothing_pulled")
     return got
@@ -225,16 +236,19 @@ async def pull_from(
     adapter: int | None,
     deadline: float,
     body: dict[str, Any] | None = None,
+    first: int | None = None,
 ) -> int:
     """Blocks of `hashes` (from the first) pulled from one source and published here;
-    `body` asks the source to compute them first (P/D), else they are held there."""
+    `body` asks the source to compute them first (P/D), else they are held there. `first`:
+    the hash of the chain's first block, when the caller knows it (`chain_start`): marked
+    so this engine's hot list offers the chain on (`kv_warm`)."""
     started = time.monotonic()
     reader = WireReader(store.fingerprint, store.block_size, store.bytes_per_block, hashes)
     committed, reason = 0, None
     if body is None:
         body = {"hashes": [hash_hex(h) for h in hashes], "adapter_identity": adapter}
     try:
-        committed = await _stream_into(state, store, source, body, reader, deadline)
+        committed = await _stream_into(state, store, source, body, reader, deadline, first)
     except TimeoutError:
         reason = "deadline"
     except WireError as exc:
@@ -245,7 +259,7 @@ async def pull_from(
     except httpx.HTTPError as exc:
         reason = "source_error"
         log.info("kv_pull_failed source=%s error=%r", source, exc)
-    committed += await import_blocks(state.engine, store, reader.leftover)
+    committed += await import_blocks(state.engine, store, reader.leftover, first)
     outcome: Outcome = "ok" if committed == len(hashes) else "partial" if committed else "failed"
     if reason is not None:
         state.engine.metrics.kv_transfer.fallback(reason)
@@ -275,6 +289,7 @@ async def _stream_into(
     body: dict[str, Any],
     reader: WireReader,
     deadline: float,
+    first: int | None,
 ) -> int:
     """Read the export stream, publishing each full window as it verifies; the verified
     tail of an unfinished window is left in `reader.leftover` for the caller to publish."""
@@ -304,7 +319,7 @@ async def _stream_into(
             if len(reader.leftover) >= WINDOW_BLOCKS:
                 window: list[VerifiedBlock] = reader.leftover
                 reader.leftover = []
-                got = await import_blocks(state.engine, store, window)
+                got = await import_blocks(state.engine, store, window, first)
                 committed += got
                 if got < len(window):
                     raise _Refused("pool_full")

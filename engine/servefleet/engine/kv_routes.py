@@ -145,7 +145,7 @@ async def _import(state: ServingState, store: KVStore, request: Request) -> dict
     started = time.monotonic()
     reader = WireReader(store.fingerprint, store.block_size, store.bytes_per_block, None)
     pending: list[VerifiedBlock] = []
-    committed, error, rooted = 0, None, False
+    committed, error, rooted, first = 0, None, False, None
     try:
         async for chunk in request.stream():
             try:
@@ -156,10 +156,10 @@ async def _import(state: ServingState, store: KVStore, request: Request) -> dict
             if reader.count > MAX_TRANSFER_BLOCKS:
                 raise WireError("too_many_blocks", f"more than {MAX_TRANSFER_BLOCKS} blocks")
             if not rooted and pending:
-                await _check_first_parent(state, store, reader, pending[0])
+                first = await _check_first_parent(state, store, reader, pending[0])
                 rooted = True
             if len(pending) >= WINDOW_BLOCKS:
-                committed += await import_blocks(state.engine, store, pending)
+                committed += await import_blocks(state.engine, store, pending, first)
                 pending = []
     except WireError as exc:
         error = exc
@@ -167,11 +167,11 @@ async def _import(state: ServingState, store: KVStore, request: Request) -> dict
         error = WireError("client_closed", "the stream ended early")
     if pending and not rooted:  # the stream broke in its first chunk: check the root now
         try:
-            await _check_first_parent(state, store, reader, pending[0])
+            first = await _check_first_parent(state, store, reader, pending[0])
         except WireError:
             pending = []
     if pending and (error is None or error.code != FINGERPRINT_MISMATCH):
-        committed += await import_blocks(state.engine, store, pending)
+        committed += await import_blocks(state.engine, store, pending, first)
     nbytes = reader.count * store.bytes_per_block
     outcome: Outcome = "partial" if committed else "refused"
     if error is None and reader.complete:
@@ -187,11 +187,14 @@ async def _import(state: ServingState, store: KVStore, request: Request) -> dict
 
 async def _check_first_parent(
     state: ServingState, store: KVStore, reader: WireReader, first: VerifiedBlock
-) -> None:
-    """A pushed chain starts at its adapter's root or at a block this cache holds."""
+) -> int | None:
+    """A pushed chain starts at its adapter's root or at a block this cache holds; the first
+    block's hash when it starts the base model's chain (marked `first`, `KVStore.commit`)."""
     assert reader.header is not None
-    if first.parent_hash == root_hash(reader.header.get("adapter_identity")):
-        return
+    adapter = reader.header.get("adapter_identity")
+    if first.parent_hash == root_hash(adapter):
+        return first.block_hash if adapter is None else None
     held = await state.engine.call(lambda: store.held_run([first.parent_hash]))
     if not held:
         raise WireError("chain_mismatch", "the first block's parent is not cached here")
+    return None

@@ -127,14 +127,26 @@ class KVStore:
         self.staged += len(blocks)
         return [b.block_id for b in blocks]
 
-    def commit(self, block_ids: list[int], blocks: list[VerifiedBlock]) -> int:
+    def commit(
+        self, block_ids: list[int], blocks: list[VerifiedBlock], first: int | None = None
+    ) -> int:
         """Publish the first len(blocks) staged blocks in chain order, free the rest; the
-        number published (a hash already cached keeps its block, this one is dropped)."""
+        number published (a hash already cached keeps its block, this one is dropped).
+
+        `first`: the hash of a base-model chain's first block, as the importer knows it (its
+        own request's root chained it, or a warm source's hot list names it): that block is
+        marked `first` as a computed one is, so this cache's hot list offers the chain on.
+        Not when its parent is a block cached here: a chain's first block hangs off a root."""
         pool = self.kv.pool
         published = 0
         for block_id, block in zip(block_ids, blocks, strict=False):
+            starts = block.block_hash == first and pool.lookup(block.parent_hash) is None
             ok = pool.cache_block(
-                pool.blocks[block_id], block.block_hash, block.parent_hash, block.token_ids
+                pool.blocks[block_id],
+                block.block_hash,
+                block.parent_hash,
+                block.token_ids,
+                starts,
             )
             published += ok
         pool.free(pool.blocks[i] for i in reversed(block_ids))

@@ -89,9 +89,12 @@ async def export_stream(
     yield END
 
 
-async def import_blocks(engine: Engine, store: KVStore, blocks: list[VerifiedBlock]) -> int:
+async def import_blocks(
+    engine: Engine, store: KVStore, blocks: list[VerifiedBlock], first: int | None = None
+) -> int:
     """Stage, write and publish `blocks` (in chain order); how many are now cached (stops at
-    the first window that cannot be staged: the rest is recomputed by whoever needs it)."""
+    the first window that cannot be staged: the rest is recomputed by whoever needs it).
+    `first`: the hash of a chain's first block, if the importer knows it (`KVStore.commit`)."""
     committed = 0
     while committed < len(blocks):
         window = blocks[committed : committed + WINDOW_BLOCKS]
@@ -105,7 +108,7 @@ async def import_blocks(engine: Engine, store: KVStore, blocks: list[VerifiedBlo
         except BaseException:
             await engine.call(partial(_discard, store, ids))
             raise
-        await engine.call(partial(store.commit, ids, window[: len(ids)]))
+        await engine.call(partial(store.commit, ids, window[: len(ids)], first))
         committed += len(ids)
     return committed
 

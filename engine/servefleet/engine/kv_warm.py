@@ -144,7 +144,9 @@ async def warm(state: ServingState, store: KVStore, body: KVWarmRequest) -> KVWa
                 if not missing:
                     continue
                 asked += 1
-                got = await pull_from(state, store, source, missing, None, deadline)
+                # the chain starts where the source's hot list says (`hot_chains`): a
+                # salted root is not computable here (no salt), so that is the source's word
+                got = await pull_from(state, store, source, missing, None, deadline, first=chain[0])
                 budget -= got
                 pulled[source] += got
     finally:

@@ -7,7 +7,8 @@ slot of the source's engine thread between steps), at most `MAX_SOURCES`; a pool
 ready replica sends an empty list, which makes the engine ready at once (the first replica
 of a pool never waits for peers that do not exist). The call runs beside the probe loop and
 its answer is only logged: the engine's `/ready` says when it is done, and an engine that
-is never asked is ready after its own bound (`--kv-warm-start-seconds`).
+is never asked is ready after its own bound (`--kv-warm-start-seconds`). How much it pulls
+and for how long is the deployment's `spec.kvWarmStart`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,7 @@ import httpx
 
 from servefleet.api.gateway_stats import ReplicaHealth
 from servefleet.api.kv_transfer import MAX_SOURCES
-from servefleet.api.kv_warm import (
-    DEFAULT_WARM_BLOCKS,
-    DEFAULT_WARM_DEADLINE_S,
-    WARM_PATH,
-    WARMING_DETAIL,
-)
+from servefleet.api.kv_warm import WARM_PATH, WARMING_DETAIL
 from servefleet.gateway.pool import DeploymentPool
 from servefleet.gateway.routing import Replica, ReplicaSet
 
@@ -88,17 +84,18 @@ async def _post_warm(
 ) -> None:
     key = pool.config.engine_api_key
     headers = {"authorization": f"Bearer {key.read()}"} if key is not None else {}
+    sizes = pool.config.kv_warm  # spec.kvWarmStart
     body = {
         "sources": sources,
-        "max_blocks": DEFAULT_WARM_BLOCKS,
-        "deadline_s": DEFAULT_WARM_DEADLINE_S,
+        "max_blocks": sizes.max_blocks,
+        "deadline_s": sizes.deadline_seconds,
     }
     try:
         resp = await client.post(
             replica.endpoint + WARM_PATH,
             json=body,
             headers=headers,
-            timeout=DEFAULT_WARM_DEADLINE_S + 5.0,
+            timeout=sizes.deadline_seconds + 5.0,
         )
         log.info(
             "kv_warm replica=%s sources=%d status=%d answer=%s",
