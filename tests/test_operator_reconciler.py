@@ -16,11 +16,21 @@ import kopf
 import pytest
 from pydantic import SecretBytes
 
-from servefleet.api.conventions import POD_DELETION_COST
+from servefleet.api.conventions import (
+    FIELD_MANAGER_OPERATOR,
+    LABEL_APP_MANAGED_BY,
+    LABEL_DEPLOYMENT,
+    POD_DELETION_COST,
+)
 from servefleet.api.llmdeployment import LLMDeployment
 from servefleet.kube import KubeAccess, KubeError, ObjectList
 from servefleet.kube.resources import Resource
-from servefleet.operator.handlers import build_registry, engine_needs_repair, plain
+from servefleet.operator.handlers import (
+    build_registry,
+    engine_needs_repair,
+    group_needs_repair,
+    plain,
+)
 from servefleet.operator.reconciler import Reconciler
 from servefleet.operator.settings import OperatorSettings
 from servefleet.operator.status import EventSpec
@@ -438,3 +448,25 @@ async def test_the_minimum_is_written_only_over_the_version_read() -> None:
     await plain_reconciler(client).reconcile(unset)
     assert client.versions == ["7"]  # refused; the count read again is the one set meanwhile
     assert _engine_replicas(client) == 3
+
+
+def test_the_engine_workloads_we_own_are_watched_deployment_and_leaderworkerset() -> None:
+    """Group readiness reaches status when the LeaderWorkerSet changes, not only on the next
+    drift-repair pass; only a deleted LeaderWorkerSet is put back at once (it has no
+    observedGeneration to tell our own apply from an edit)."""
+    settings = OperatorSettings(
+        engine_image="img:1", gateway_url="http://gw:8080/", route_signing_key=KEY
+    )
+    registry = build_registry(settings, KubeAccess(server="http://127.0.0.1:1"))
+    watched = {
+        (h.selector.group, h.selector.any_name): h.labels
+        for h in registry._watching.get_all_handlers()
+        if h.selector is not None
+    }
+    for resource in (("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets")):
+        assert watched[resource] == {
+            LABEL_DEPLOYMENT: kopf.PRESENT,
+            LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR,
+        }
+    assert group_needs_repair("DELETED")
+    assert not group_needs_repair("MODIFIED") and not group_needs_repair(None)

@@ -24,12 +24,14 @@ from servefleet.api.conventions import (
 from servefleet.api.llmadapter import ADAPTER_PLURAL, LLMAdapter
 from servefleet.api.llmdeployment import API_GROUP, API_VERSION, PLURAL, LLMDeployment
 from servefleet.kube import KubeAccess, KubeError
+from servefleet.kube.resources import LEADER_WORKER_SETS
 from servefleet.operator.reconciler import Reconciler
 from servefleet.operator.settings import OperatorSettings
 
 log = logging.getLogger("servefleet.operator")
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
 ADAPTER_RESOURCE = (API_GROUP, API_VERSION, ADAPTER_PLURAL)
+LWS_RESOURCE = (*LEADER_WORKER_SETS.api_version.split("/"), LEADER_WORKER_SETS.plural)
 GetReconciler = Callable[[], Awaitable[Reconciler]]
 
 
@@ -232,24 +234,34 @@ def engine_needs_repair(body: Mapping[str, Any], event_type: str | None) -> bool
     return generation is not None and generation != observed
 
 
-def _register_engine_watch(registry: kopf.OperatorRegistry, reconciler: GetReconciler) -> None:
-    """The engine Deployments we own: readiness goes to status, drift is undone at once."""
+def group_needs_repair(event_type: str | None) -> bool:
+    """A LeaderWorkerSet has no `status.observedGeneration` to tell our apply from an edit, so
+    only its deletion is repaired at once; an edit waits for the drift-repair pass."""
+    return event_type == "DELETED"
 
-    @kopf.on.event(
-        "apps",
-        "v1",
-        "deployments",
-        labels={LABEL_DEPLOYMENT: kopf.PRESENT, LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR},
-        registry=registry,
-    )
-    async def engine_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+
+ENGINE_WORKLOAD_LABELS: Mapping[str, Any] = {  # a label present, a label equal
+    LABEL_DEPLOYMENT: kopf.PRESENT,
+    LABEL_APP_MANAGED_BY: FIELD_MANAGER_OPERATOR,
+}
+
+
+def _register_engine_watch(registry: kopf.OperatorRegistry, reconciler: GetReconciler) -> None:
+    """The engine workloads we own, a Deployment or (replicas of several pods) a
+    LeaderWorkerSet: readiness goes to status at once, drift is undone at once. kopf finds
+    the LeaderWorkerSet API by discovery when it starts; without it kopf logs once that it
+    cannot serve it, and the drift-repair pass carries group readiness to status (an API
+    installed later is watched from the operator's next start: the chart's least-privilege
+    roles do not let kopf watch CRDs)."""
+
+    async def changed(body: kopf.Body, repair: bool) -> None:
         owner = body.get("metadata", {}).get("labels", {}).get(LABEL_DEPLOYMENT)
         if not owner:
             return
         namespace = body["metadata"]["namespace"]
         r = await reconciler()
         try:
-            if engine_needs_repair(body, type):
+            if repair:
                 await r.repair(namespace, owner)
             else:
                 await r.refresh_status(namespace, owner)
@@ -257,3 +269,11 @@ def _register_engine_watch(registry: kopf.OperatorRegistry, reconciler: GetRecon
             log.warning(
                 "repair of %s/%s: %s (the drift-repair pass retries)", namespace, owner, exc
             )
+
+    @kopf.on.event("apps", "v1", "deployments", labels=ENGINE_WORKLOAD_LABELS, registry=registry)
+    async def engine_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+        await changed(body, engine_needs_repair(body, type))
+
+    @kopf.on.event(*LWS_RESOURCE, labels=ENGINE_WORKLOAD_LABELS, registry=registry)
+    async def group_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+        await changed(body, group_needs_repair(type))
