@@ -29,6 +29,7 @@ from servefleet.gateway.auth import KeyRing
 from servefleet.gateway.batch_api import BatchApi, is_batch_path
 from servefleet.gateway.batch_calls import call_in_process
 from servefleet.gateway.batch_demand import OpenWork, due_by_pool
+from servefleet.gateway.batch_lease import BatchLease, LocalLease, RedisBatchLease
 from servefleet.gateway.batch_runner import BatchRunner
 from servefleet.gateway.batch_stores import open_store
 from servefleet.gateway.completion import CompletionHandler
@@ -148,8 +149,15 @@ class Gateway:
             retry_s=config.batch.retry_seconds,
             on_work=self._publish_batch_work,
             batch_slots=self._batch_slots,
+            lease=self._batch_lease(config),
         )
         return BatchApi(store, runner, config.batch.max_file_bytes)
+
+    def _batch_lease(self, config: GatewayConfig) -> BatchLease:
+        """With Redis, replicas over one store take turns per batch; alone, always ours."""
+        if config.redis is None or not isinstance(self.limiter, FailoverLimiter):
+            return LocalLease()
+        return RedisBatchLease(self.limiter.primary.client, key_prefix=config.redis.key_prefix)
 
     def _publish_batch_work(self, works: list[OpenWork]) -> None:
         """Each deployment's share of the open batches' lines, for its stats."""
@@ -209,6 +217,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._batch_task
             self._batch_task = None
+        if self._batches is not None:  # not left to expire: another replica takes them now
+            await self._batches.runner.release_leases()
         if self._probe_task is not None:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -13,6 +13,10 @@ At the end (every line answered, the batch cancelled, or its window past) the ou
 files are written from the journal in input order and the batch is closed. Batches run earliest
 deadline first; what each still has to answer, per model, is published (`on_work`) for the
 autoscaler's batch signal (`batch_demand`).
+
+Several gateway replicas over one store run each batch once: a runner runs a batch only while
+it holds the batch's lease (`batch_lease`), and takes no new line of it once the lease is
+lost. While Redis cannot say who holds what, no batch runs here (paused, logged once).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from servefleet.api.batches import Batch, BatchLine, output_line, parse_lines
+from servefleet.api.batches import TERMINAL, Batch, BatchLine, output_line, parse_lines
 from servefleet.gateway.batch_demand import OpenWork
+from servefleet.gateway.batch_lease import (
+    BatchLease,
+    Holding,
+    LeaseUnavailable,
+    LocalLease,
+    holding,
+)
 from servefleet.gateway.batch_store import BatchStore, StoreUnavailable
 
 log = logging.getLogger("servefleet.gateway.batches")
@@ -67,6 +78,7 @@ class BatchRunner:
         clock: Callable[[], float] = time.time,
         on_work: Callable[[list[OpenWork]], None] | None = None,
         batch_slots: Callable[[], int] | None = None,
+        lease: BatchLease | None = None,
     ) -> None:
         self.store = store
         self._call = call
@@ -78,6 +90,9 @@ class BatchRunner:
         self._on_work = on_work
         self._batch_slots = batch_slots  # slots the pools now leave batch requests, in all
         self._work: dict[str, OpenWork] = {}  # open batch id -> its lines left, per model
+        self.lease: BatchLease = lease if lease is not None else LocalLease()
+        self._holds: dict[str, Holding] = {}  # batch id -> the lease this runner holds on it
+        self.paused = False  # Redis cannot say who runs which batch: none runs here
 
     def wake(self) -> None:
         """A batch was created or cancelled: look now, not at the next poll."""
@@ -94,7 +109,14 @@ class BatchRunner:
             self._on_work(list(self._work.values()))
 
     async def _note_unseen(self, batches: list[Batch]) -> None:
-        """Open batches not noted yet (after a restart): read once, for the batch signal."""
+        """Open batches not noted yet (after a restart): read once, for the batch signal; and
+        batches no longer open (another replica finished them) out of it."""
+        listed = {batch.id for batch in batches}
+        closed = [batch_id for batch_id in self._work if batch_id not in listed]
+        for batch_id in closed:
+            del self._work[batch_id]
+        if closed:
+            self._publish()
         for batch in batches:
             if batch.id not in self._work:
                 lines, done = await self._pending(batch)
@@ -118,34 +140,79 @@ class BatchRunner:
             for batch in batches:
                 try:
                     await self.advance(batch)
+                except LeaseUnavailable as exc:
+                    self._pause(exc)
+                    break  # every batch waits for Redis: another replica may run it
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     log.exception("batch_failed_to_advance id=%s", batch.id)
+            # A cancel some library swallowed (a Redis call cut by the gateway stopping)
+            # still stops the loop; and not wait_for: on 3.11 it can swallow one itself.
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                raise asyncio.CancelledError
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+                async with asyncio.timeout(self._poll_s):
+                    await self._wake.wait()
             self._wake.clear()
 
+    def _pause(self, exc: Exception) -> None:
+        if not self.paused:
+            log.warning(
+                "batch_lease_unavailable error=%s: batches paused until Redis answers "
+                "(another gateway replica might run them too)",
+                exc,
+            )
+        self.paused = True
+
     async def advance(self, batch: Batch) -> None:
-        """Run what is left of `batch` until it is answered, cancelled or expired."""
+        """Run what is left of `batch` until it is answered, cancelled or expired, while this
+        runner holds its lease; nothing when another replica holds it. Raises
+        `LeaseUnavailable` when Redis cannot say."""
+        async with holding(self.lease, batch.id) as hold:
+            if self.paused:
+                log.info("batch_lease_available: batches run again")
+                self.paused = False
+            if hold is None:
+                return  # another replica runs it
+            self._holds[batch.id] = hold  # cancelled: kept for `release_leases`
+            try:
+                await self._advance_held(batch, hold)
+            except Exception:
+                del self._holds[batch.id]
+                raise
+            del self._holds[batch.id]
+
+    async def release_leases(self) -> None:
+        """Give back the leases of batches left mid-run (a graceful stop: after the runner's
+        task is cancelled), so another replica need not wait for them to expire."""
+        holds, self._holds = self._holds, {}
+        for hold in holds.values():
+            with contextlib.suppress(LeaseUnavailable):
+                await self.lease.release(hold.batch_id)
+
+    async def _advance_held(self, batch: Batch, hold: Holding) -> None:
+        current = await asyncio.to_thread(self.store.batch, batch.tenant, batch.id)
+        if current is None or current.status in TERMINAL:
+            return  # finished by the replica that held it before (our list was older)
         if await asyncio.to_thread(self._stopped, batch):
-            await self.finish(batch)
+            await self._finish_held(batch, hold)
             return
         lines, done = await self._pending(batch)
         self.note(batch, lines, done)
         pending = deque((i, line) for i, line in enumerate(lines) if i not in done)
 
         async def worker() -> None:  # workers share one queue: each line is taken once
-            while pending:
+            while pending and hold.held:  # a lost lease: no new line, this one finishes
                 index, line = pending.popleft()
-                await self._run_line(batch, index, line)
+                await self._run_line(batch, index, line, hold)
 
         tasks: list[asyncio.Task[None]] = []
         try:
             while True:
                 # As many lines in flight as the pool has batch slots (replicas bought for
                 # a deadline count at once); lines beyond them would only queue.
-                while pending and len(tasks) < self._lines_at_once():
+                while pending and hold.held and len(tasks) < self._lines_at_once():
                     tasks.append(asyncio.create_task(worker()))
                 if not tasks:
                     break
@@ -160,7 +227,13 @@ class BatchRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        await self.finish(batch)
+        await self._finish_held(batch, hold)
+
+    async def _finish_held(self, batch: Batch, hold: Holding) -> None:
+        """Finish `batch` only while the lease is ours for a TTL more (renewed now), so two
+        replicas never both write its output."""
+        if await hold.confirm():
+            await self.finish(batch)
 
     def _lines_at_once(self) -> int:
         slots = self._batch_slots() if self._batch_slots is not None else 0
@@ -171,13 +244,15 @@ class BatchRunner:
         cancelled = current is not None and current.status == "cancelling"
         return cancelled or self._clock() >= batch.expires_at
 
-    async def _run_line(self, batch: Batch, index: int, line: BatchLine) -> None:
+    async def _run_line(self, batch: Batch, index: int, line: BatchLine, hold: Holding) -> None:
         body = json.dumps(line.body).encode()
         while True:
             status, answer, request_id = await self._call(batch.tenant, line.url, body)
             if not is_not_now(status, answer):
                 break
             await asyncio.sleep(self._retry_s)
+            if not hold.held:
+                return  # not answered: the lease's new holder runs it
         try:
             parsed: Any = json.loads(answer)
         except ValueError:
