@@ -1,6 +1,7 @@
 """The chart's Batch API store rendered by the real helm: off by default, a folder on a
 PersistentVolumeClaim (or an emptyDir), or an S3-compatible bucket whose keys come from a
-Secret and never reach the values or the ConfigMap; and the guards (one store, one replica)."""
+Secret and never reach the values or the ConfigMap; and the guards (one store; several
+replicas only over a bucket)."""
 
 from __future__ import annotations
 
@@ -109,7 +110,15 @@ def test_the_batch_guards(helm: Path) -> None:
     both = {"enabled": True, "s3": {"bucket": "abc"}, "persistence": {"enabled": True}}
     assert "not both" in render_error(helm, {"gateway": {"batch": both}})
     two = {"gateway": {"replicas": 2, "batch": {"enabled": True}}, "redis": {"enabled": True}}
-    assert "serve the Batch API from one replica" in render_error(helm, two)
+    assert "each replica would see only its own batches" in render_error(helm, two)
+    # Over a bucket the replicas share the batches; Redis (required for replicas > 1)
+    # leases each batch to one of them.
+    shared = {"enabled": True, "s3": {"bucket": "tenant-batches"}}
+    objects = render(
+        helm, {"gateway": {"replicas": 2, "batch": shared}, "redis": {"enabled": True}}
+    )
+    assert gateway_config(objects)["batch"]["s3"]["bucket"] == "tenant-batches"
+    assert pod_spec(objects, "gateway")["replicas"] == 2
     for wrong in (
         {"s3": {"bucket": "Bad_Bucket"}},
         {"s3": {"endpoint": "http://user:pass@minio:9000"}},

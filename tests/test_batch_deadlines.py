@@ -5,6 +5,7 @@ only when the pool it has would miss a deadline."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from servefleet.api.batch_demand import BatchDue, lines_per_second_needed, merge_batch_due
 from servefleet.api.gateway_stats import DeploymentStats
 from servefleet.api.llmdeployment import LLMDeploymentSpec
 from servefleet.autoscaler.gateway_fleet import sum_deployment_stats
@@ -22,7 +24,7 @@ from servefleet.autoscaler.targets import ScalingTargets
 from servefleet.bench.fake_upstream import FakeBehaviour, FakeOpenAI
 from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.app import Gateway
-from servefleet.gateway.batch_demand import OpenWork, due_by_pool, lines_per_second_needed
+from servefleet.gateway.batch_demand import OpenWork, due_by_pool
 from servefleet.gateway.batch_runner import BatchRunner
 from servefleet.gateway.batch_store_folder import FolderBatchStore
 from tests.test_gateway_batches import MODEL, Rig, _config, _lines, _submit, _wait
@@ -41,9 +43,9 @@ def test_the_needed_rate_meets_every_deadline_earliest_first() -> None:
 
 def test_lines_go_to_the_deployment_their_tenant_and_model_route_to() -> None:
     works = [
-        OpenWork("a", 500.0, Counter({"m": 3, "other": 2, "unknown": 9})),
-        OpenWork("b", 900.0, Counter({"m": 4, "gone": 0})),
-        OpenWork("slow", 400.0, Counter({"m": 1000})),  # 1 request/s for the 300 s left
+        OpenWork("b1", "a", 500.0, Counter({"m": 3, "other": 2, "unknown": 9}), running=True),
+        OpenWork("b2", "b", 900.0, Counter({"m": 4, "gone": 0})),
+        OpenWork("b3", "slow", 400.0, Counter({"m": 1000})),  # 1 request/s for the 300 s left
     ]
     routes = {
         ("a", "m"): ("d1", None),
@@ -52,7 +54,14 @@ def test_lines_go_to_the_deployment_their_tenant_and_model_route_to() -> None:
         ("slow", "m"): ("d1", 1.0),
     }
     due = due_by_pool(works, lambda tenant, model: routes.get((tenant, model)), 100.0)
-    assert due == {"d1": [(3, 500.0), (4, 900.0), (300, 400.0)], "d2": [(2, 500.0)]}
+    assert due == {
+        "d1": [
+            BatchDue(batch_id="b1", lines=3, expires_at=500.0, running=True),
+            BatchDue(batch_id="b2", lines=4, expires_at=900.0),
+            BatchDue(batch_id="b3", lines=300, expires_at=400.0),
+        ],
+        "d2": [BatchDue(batch_id="b1", lines=2, expires_at=500.0, running=True)],
+    }
 
 
 @pytest.fixture
@@ -70,12 +79,15 @@ def test_a_running_batch_is_in_its_deployments_stats_until_it_closes(slow_rig: R
     batch = _submit(client, _lines(40))
     stats = slow_rig.gateway.pools["d"].stats()
     assert 0 < stats.batch_lines_left <= 40  # in the signal at once, shrinking as lines end
+    (due,) = stats.batch_due
+    assert due.batch_id == batch.id and due.lines == stats.batch_lines_left
     window = batch.expires_at - batch.created_at  # 24 h
     expected = stats.batch_lines_left / window
     assert stats.batch_lines_per_second_needed == pytest.approx(expected, rel=0.01)
     _wait(client, batch.id, {"completed"})
     after = slow_rig.gateway.pools["d"].stats()
     assert (after.batch_lines_left, after.batch_lines_per_second_needed) == (0, 0.0)
+    assert after.batch_due == []
 
 
 def test_a_restarted_runner_counts_the_open_batches_before_their_turn(slow_rig: Rig) -> None:
@@ -106,10 +118,44 @@ def test_lines_run_as_many_at_once_as_the_pool_leaves_batch_slots(slow_rig: Rig)
 
 
 def test_gateways_add_up_their_batches() -> None:
+    """Gateways that list no batches (older ones) add up their figures as they are."""
     one = DeploymentStats(name="d", batch_lines_left=10, batch_lines_per_second_needed=0.5)
     two = DeploymentStats(name="d", batch_lines_left=30, batch_lines_per_second_needed=1.0)
     both = sum_deployment_stats([{"d": one}, {"d": two}])["d"]
     assert (both.batch_lines_left, both.batch_lines_per_second_needed) == (40, 1.5)
+
+
+def test_replicas_over_one_store_count_each_batch_once() -> None:
+    """Two gateways over one bucket both list both batches: b1 counts as its runner (gateway
+    one) says, b2 (run by nobody yet) as the fresher of the two views, never twice."""
+    now = time.time()
+    b1, b2 = now + 100.0, now + 1000.0
+    one = DeploymentStats(name="d", batch_due=[
+        BatchDue(batch_id="b1", lines=20, expires_at=b1, running=True),
+        BatchDue(batch_id="b2", lines=300, expires_at=b2),
+    ])  # fmt: skip
+    two = DeploymentStats(name="d", batch_due=[
+        BatchDue(batch_id="b1", lines=90, expires_at=b1),  # read before one ran most of it
+        BatchDue(batch_id="b2", lines=250, expires_at=b2),
+    ])  # fmt: skip
+    both = sum_deployment_stats([{"d": one}, {"d": two}])["d"]
+    assert both.batch_lines_left == 20 + 250
+    assert [(d.batch_id, d.lines) for d in both.batch_due] == [("b1", 20), ("b2", 250)]
+    expected = lines_per_second_needed([(20, b1), (250, b2)], now)
+    assert both.batch_lines_per_second_needed == pytest.approx(expected, rel=0.01)
+    own_store = DeploymentStats(
+        name="d", batch_due=[BatchDue(batch_id="b3", lines=5, expires_at=b1)]
+    )
+    three = sum_deployment_stats([{"d": one}, {"d": two}, {"d": own_store}])["d"]
+    assert three.batch_lines_left == 20 + 250 + 5  # a store of its own: its batches add
+
+
+def test_merge_prefers_the_running_replica_then_the_fewest_lines() -> None:
+    running = BatchDue(batch_id="b", lines=50, expires_at=1.0, running=True)
+    fewer = BatchDue(batch_id="b", lines=10, expires_at=1.0)
+    assert merge_batch_due([[fewer], [running]]) == [running]
+    assert merge_batch_due([[running], [fewer]]) == [running]
+    assert merge_batch_due([[BatchDue(batch_id="b", lines=30, expires_at=1.0)], [fewer]]) == [fewer]
 
 
 def _targets(**extra: object) -> ScalingTargets:

@@ -318,3 +318,32 @@ def test_an_upload_over_the_cap_is_a_413_naming_the_file_and_stores_nothing(
             assert [f["filename"] for f in listed] == ["ok.jsonl"]
     stored = [p for p in (tmp_path / "batches").rglob("*") if p.is_file()]
     assert not any(b"line 199" in p.read_bytes() for p in stored)
+
+
+def test_the_runner_marks_the_batch_it_runs_in_its_demand(tmp_path: Path) -> None:
+    """Its counts are current (it journals each line), so the autoscaler prefers them over
+    other replicas' views of the same batch (`servefleet.api.batch_demand`)."""
+    from servefleet.api.batches import BatchCreateRequest
+    from servefleet.gateway.batch_api import BatchApi
+    from servefleet.gateway.batch_demand import OpenWork
+
+    store = FolderBatchStore(tmp_path)
+    published: list[list[OpenWork]] = []
+    running_seen: list[bool] = []
+
+    async def call(tenant: str, path: str, body: bytes) -> tuple[int, bytes, str]:
+        running_seen.append(all(w.running for w in published[-1]))
+        return 200, b'{"ok": true}', "r"
+
+    async def scenario() -> None:
+        runner = BatchRunner(store, call, concurrency=1, on_work=published.append)
+        api = BatchApi(store, runner, 1 << 20)
+        file = store.put_file("a", "in.jsonl", "batch", _lines(3))
+        request = BatchCreateRequest(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        await runner.advance(api.create("a", request))
+
+    asyncio.run(scenario())
+    assert running_seen == [True, True, True]
+    assert not any(w.running for w in published[-1])  # let go once it finished

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from servefleet.api.batch_demand import BatchDue
+
 
 class ReplicaHealth(enum.StrEnum):
     """Whether the gateway sends new requests to a replica (not the pod's lifecycle)."""
@@ -68,6 +70,11 @@ class DeploymentStats(_StatsModel):
         ge=0,
         description="the line rate that answers every open batch by its deadline, earliest "
         "deadline first (the autoscaler buys replicas for it)",
+    )
+    batch_due: list[BatchDue] = Field(
+        default_factory=list,
+        description="each open batch's lines for it and deadline: the autoscaler merges "
+        "gateway replicas' reports by batch (replicas over one store all see every batch)",
     )
     mean_service_seconds: float | None = None
     cold_start_seconds: float | None = Field(default=None, description="measured, else the prior")

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
+from typing import Any
 
 import httpx
 
+from servefleet.api.batch_demand import lines_per_second_needed, merge_batch_due
 from servefleet.api.conventions import GATEWAY_INTERNAL_PORT_NAME
 from servefleet.api.gateway_stats import DeploymentStats, GatewayReplicaStats
 from servefleet.kube import KubeClient, KubeError
@@ -55,6 +58,24 @@ def _sum_known(values: Iterable[int | None]) -> int | None:
     return None if any(v is None for v in known) else sum(v or 0 for v in known)
 
 
+def _merged_batches(views: list[DeploymentStats], now: float | None = None) -> dict[str, Any]:
+    """Open batches' lines and the line rate their deadlines need, one figure per batch:
+    replicas over one store all report every batch (`servefleet.api.batch_demand`). A
+    gateway that reports lines but no batches (an older one) is added as it is."""
+    merged = merge_batch_due(v.batch_due for v in views)
+    unlisted = [v for v in views if not v.batch_due]
+    rate = lines_per_second_needed(
+        ((d.lines, d.expires_at) for d in merged), time.time() if now is None else now
+    )
+    return {
+        "batch_due": merged,
+        "batch_lines_left": sum(d.lines for d in merged)
+        + sum(v.batch_lines_left for v in unlisted),
+        "batch_lines_per_second_needed": rate
+        + sum(v.batch_lines_per_second_needed for v in unlisted),
+    }
+
+
 def _sum_deployment(views: list[DeploymentStats]) -> DeploymentStats:
     """Counts add up. Latencies are p90s, which do not add: the largest is kept, an upper
     bound of the p90 over all gateways' requests together (what a scaler should act on)."""
@@ -70,9 +91,7 @@ def _sum_deployment(views: list[DeploymentStats]) -> DeploymentStats:
             "completions_per_second": sum(v.completions_per_second for v in views),
             "spilled_per_second": sum(v.spilled_per_second for v in views),
             "spilled_tokens_per_second": sum(v.spilled_tokens_per_second for v in views),
-            # each gateway runs the batches of its own store: their lines and rates add up
-            "batch_lines_left": sum(v.batch_lines_left for v in views),
-            "batch_lines_per_second_needed": sum(v.batch_lines_per_second_needed for v in views),
+            **_merged_batches(views),
             "service_rate": max(v.service_rate for v in views),
             "mean_service_seconds": _max(v.mean_service_seconds for v in views),
             "cold_start_seconds": _max(v.cold_start_seconds for v in views),

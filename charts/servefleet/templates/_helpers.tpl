@@ -134,8 +134,10 @@ would allow N times every limit: refuse that rather than render it.
 {{- end -}}
 
 {{- /*
-The Batch API: one store (a folder, on a PVC or an emptyDir, or a bucket), and one gateway
-replica, since every replica's batch runner would run each open batch's lines.
+The Batch API: one store (a folder, on a PVC or an emptyDir, or a bucket). Several gateway
+replicas only over a bucket: they all see every batch there, and a Redis lease per batch
+(gateway/batch_lease.py; several replicas need Redis anyway) lets one of them run it. A folder
+is one pod's, so its batches would be invisible to the other replicas.
 */ -}}
 {{- define "servefleet.checkGatewayBatch" -}}
 {{- $batch := .Values.gateway.batch -}}
@@ -143,8 +145,8 @@ replica, since every replica's batch runner would run each open batch's lines.
 {{- if and $batch.s3.bucket $batch.persistence.enabled -}}
 {{- fail "gateway.batch: set s3.bucket or persistence.enabled, not both (one store)" -}}
 {{- end -}}
-{{- if gt (int .Values.gateway.replicas) 1 -}}
-{{- fail (printf "gateway.batch.enabled with gateway.replicas=%v: every replica's batch runner would run each open batch's lines; serve the Batch API from one replica" .Values.gateway.replicas) -}}
+{{- if and (gt (int .Values.gateway.replicas) 1) (not $batch.s3.bucket) -}}
+{{- fail (printf "gateway.batch.enabled with gateway.replicas=%v and a folder store: each replica would see only its own batches; set gateway.batch.s3.bucket (the replicas share it) or serve the Batch API from one replica" .Values.gateway.replicas) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -29,6 +29,7 @@ import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import replace
 from typing import Any
 
 from servefleet.api.batches import TERMINAL, Batch, BatchLine, output_line, parse_lines
@@ -101,12 +102,16 @@ class BatchRunner:
     def note(self, batch: Batch, lines: list[BatchLine], done: Collection[int] = ()) -> None:
         """What `batch` still has to answer, per model, from now on."""
         left = Counter(_model(line) for i, line in enumerate(lines) if i not in done)
-        self._work[batch.id] = OpenWork(batch.tenant, float(batch.expires_at), left)
+        self._work[batch.id] = OpenWork(batch.id, batch.tenant, float(batch.expires_at), left)
         self._publish()
 
     def _publish(self) -> None:
+        """Every open batch this replica knows, those it runs marked (their counts are
+        current: the autoscaler prefers them over other replicas' older views)."""
         if self._on_work is not None:
-            self._on_work(list(self._work.values()))
+            self._on_work(
+                [replace(w, running=batch_id in self._holds) for batch_id, w in self._work.items()]
+            )
 
     async def _note_unseen(self, batches: list[Batch]) -> None:
         """Open batches not noted yet (after a restart): read once, for the batch signal; and
@@ -176,12 +181,17 @@ class BatchRunner:
             if hold is None:
                 return  # another replica runs it
             self._holds[batch.id] = hold  # cancelled: kept for `release_leases`
+            self._publish()
             try:
                 await self._advance_held(batch, hold)
             except Exception:
-                del self._holds[batch.id]
+                self._let_go(batch.id)
                 raise
-            del self._holds[batch.id]
+            self._let_go(batch.id)
+
+    def _let_go(self, batch_id: str) -> None:
+        del self._holds[batch_id]
+        self._publish()
 
     async def release_leases(self) -> None:
         """Give back the leases of batches left mid-run (a graceful stop: after the runner's

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from servefleet.api.batch_demand import BatchDue, lines_per_second_needed
 from servefleet.api.ewma import Ewma
 from servefleet.api.gateway_config import GatewayDeployment, RoutingConfig, TenantAccess
 from servefleet.api.gateway_stats import DeploymentStats, ReplicaHealth
@@ -24,7 +25,6 @@ from servefleet.api.llmdeployment import batch_reserve
 from servefleet.api.outcomes import Outcome
 from servefleet.gateway.adapter_loads import AdapterLoads
 from servefleet.gateway.admission import Admission, PoolView, SpillRule, decide
-from servefleet.gateway.batch_demand import Due, lines_per_second_needed
 from servefleet.gateway.kv_cost import Decision
 from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.measurements import LatencyWindow, RateWindow
@@ -67,7 +67,8 @@ class DeploymentPool:
         self.batch_reserve = batch_reserve(config.pool.per_replica_concurrency, config.admission)
         self.in_flight = 0
         self.in_flight_batch = 0
-        self.batch_due: list[Due] = []  # open batches' lines for it, by deadline (pool clock)
+        self.batch_due: list[BatchDue] = []  # open batches' lines for it (`batch_demand`)
+        self._batch_wall_offset = 0.0  # wall clock minus this pool's clock, when it was set
         self.service_time = Ewma(config.service_seconds)
         self.cold_start = Ewma(config.cold_start_seconds)
         self._completions = RateWindow()
@@ -107,7 +108,7 @@ class DeploymentPool:
         self.cold_start = old.cold_start
         self.promises = old.promises
         self.kv_index, self.kv_decisions = old.kv_index, old.kv_decisions
-        self.batch_due = old.batch_due
+        self.batch_due, self._batch_wall_offset = old.batch_due, old._batch_wall_offset
         if self.config.tokenizer == old.config.tokenizer:
             self.token_counter = old.token_counter
 
@@ -171,10 +172,10 @@ class DeploymentPool:
             return expected  # nothing starting yet: the autoscaler has to start one
         return min(max(0.0, expected - (now - r.first_seen)) for r in starting)
 
-    def set_batch_due(self, due: list[Due], wall_now: float) -> None:
-        """Open batches' (lines, wall-clock deadline) for this deployment (`batch_demand`)."""
-        now = self._clock()
-        self.batch_due = [(lines, now + deadline - wall_now) for lines, deadline in due]
+    def set_batch_due(self, due: list[BatchDue], wall_now: float) -> None:
+        """Open batches' lines and wall-clock deadlines for this deployment (`batch_demand`)."""
+        self.batch_due = due
+        self._batch_wall_offset = wall_now - self._clock()
 
     def record_ttft(self, seconds: float) -> None:
         self.ttfts.add(self._clock(), seconds)
@@ -396,8 +397,12 @@ class DeploymentPool:
             completions_per_second=self._completions.per_second(now),
             spilled_per_second=self._spills.per_second(now),
             spilled_tokens_per_second=self._spilled_tokens.per_second(now),
-            batch_lines_left=sum(lines for lines, _ in self.batch_due),
-            batch_lines_per_second_needed=lines_per_second_needed(self.batch_due, now),
+            batch_lines_left=sum(d.lines for d in self.batch_due),
+            batch_lines_per_second_needed=lines_per_second_needed(
+                ((d.lines, d.expires_at) for d in self.batch_due),
+                now + self._batch_wall_offset,
+            ),
+            batch_due=self.batch_due,
             mean_service_seconds=self.service_time.value,
             cold_start_seconds=self.cold_start.value,
             queue_wait_p90_seconds=self.queue_waits.percentile(now, 0.9),
