@@ -5,9 +5,11 @@ adapters (name -> identity) from its KV events, and hashes an adapter's prompt f
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from servefleet.api.gateway_config import GatewayAdapter, GatewayDeployment, RoutingConfig
@@ -15,6 +17,8 @@ from servefleet.api.kv_blocks import chain, root_hash
 from servefleet.api.kv_events import KVEventBatch, KVHello, KVSnapshot
 from servefleet.api.kv_transfer import hash_hex
 from servefleet.api.openai_requests import CompletionRequest
+from servefleet.bench.fake_upstream import FakeOpenAI
+from servefleet.bench.processes import serve_in_thread
 from servefleet.gateway.endpoints import chain_root, count_prompt
 from servefleet.gateway.kv_index import KVIndex
 from servefleet.gateway.kv_subscriber import apply_event
@@ -22,6 +26,7 @@ from servefleet.gateway.pool import DeploymentPool, Lease, PoolRequest
 from servefleet.gateway.prompt import PromptReader
 from servefleet.gateway.queueing import TrafficClass
 from servefleet.gateway.token_counter import load_token_counter
+from tests.support.gateway_rig import served_gateway
 
 A, B, C = (f"http://10.0.0.{i}:8000" for i in range(3))
 MODEL = "smollm2-135m-instruct"
@@ -136,3 +141,18 @@ async def test_the_pool_routes_an_adapter_request_to_the_holder_of_its_blocks() 
         assert isinstance(lease, Lease) and lease.replica.endpoint == B
         pool.release(lease, ok=True)
     assert pool.kv_decisions["go_to_holder"] == 8
+
+
+@pytest.mark.parametrize("field", ["adapter_identity", "adapters"])
+def test_attack_a_tenant_cannot_send_an_adapter_identity(field: str) -> None:
+    """Identities come only from the engines' streams (engine key): a tenant's body naming
+    one is refused, naming the field, and reaches no engine."""
+    with ExitStack() as stack:
+        fake = FakeOpenAI()
+        url = stack.enter_context(serve_in_thread(fake))
+        _, base = served_gateway(stack, [url])
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2, field: 7}
+        headers = {"authorization": "Bearer key-a"}
+        resp = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field
+    assert fake.stats.requests == []
