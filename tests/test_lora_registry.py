@@ -99,6 +99,22 @@ def test_unload_and_resolve() -> None:
         registry.unload("a")
 
 
+def test_each_change_of_the_resident_set_is_told_with_the_identities() -> None:
+    """What the KV event stream publishes: name -> identity after a load, an eviction, an
+    unload; a failed load or a no-op load tells nothing."""
+    seen: list[dict[str, int]] = []
+    loader = Loader()
+    loader.fail.add("bad")
+    registry = LoraRegistry(1, loader, set, on_change=lambda: seen.append(registry.identities()))
+    registry.load("a", Path("/a"))
+    registry.load("a", Path("/a"))
+    with pytest.raises(LoraConfigError):
+        registry.load("bad", Path("/bad"))
+    registry.load("b", Path("/b"))  # evicts a
+    registry.unload("b")
+    assert seen == [{"a": hash("a")}, {"b": hash("b")}, {}]
+
+
 def write_adapter(
     directory: Path, config: dict[str, object], tensors: dict[str, torch.Tensor]
 ) -> Path:

@@ -9,12 +9,15 @@ import torch
 
 from servefleet.engine.config import EngineConfig
 from servefleet.engine.kernels.cpu_lora import CpuLoraKernel
+from servefleet.engine.kv_events import KVEventLog
 from servefleet.engine.lora.setup import adapter_dtype, build_lora_registry
 from servefleet.engine.model.loader import LoadedModel
 
 
 def _engine() -> SimpleNamespace:
-    return SimpleNamespace(adapter_usage=SimpleNamespace(names=lambda: []), metrics=None)
+    return SimpleNamespace(
+        adapter_usage=SimpleNamespace(names=lambda: []), metrics=None, kv_events=KVEventLog()
+    )
 
 
 def test_the_registry_takes_its_limits_from_the_flags(smollm2: LoadedModel) -> None:
@@ -25,6 +28,8 @@ def test_the_registry_takes_its_limits_from_the_flags(smollm2: LoadedModel) -> N
     registry = build_lora_registry(config, smollm2, engine)  # type: ignore[arg-type]
     assert registry.max_loras == 3
     assert registry.max_bytes == 64 << 20
+    registry._changed()  # a change of the resident set wakes the KV event streams
+    assert engine.kv_events.seq == 1
 
 
 def test_adapters_are_bfloat16_under_the_c_kernel_else_the_models_dtype(

@@ -11,9 +11,17 @@ Stream: `hello` first, then `snapshot` (every cached hash) unless the `Last-Even
 still in the engine's ring, then one `batch` per step that changed something. Event ids are
 `<epoch>-<seq>`: the epoch changes when the engine process restarts, so an old id is never
 mistaken for a new one.
+
+Adapters: `hello`, `snapshot` and any `batch` after a change carry `adapters`, the engine's
+resident LoRA adapters as name -> identity (`LoraAdapter.identity`, the signed 64-bit digest
+of its weight files that roots its KV chain), so the gateway hashes an adapter's prompt as
+the engine does. Absent (an older engine, or nothing changed since the last one sent): the
+subscriber keeps what it knew (nothing: adapter prompts are not hashed).
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,6 +58,10 @@ EVENTS_LAG_METRIC = "servefleet_gateway_kv_events_lag_seconds"
 the gateway's clock when it applied it minus the engine's `ts` (clocks of one node agree; across
 nodes NTP's skew adds in). A lag that grows means routing follows a stale picture."""
 
+AdapterIdentity = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+AdapterIdentities = dict[str, AdapterIdentity]
+"""Resident adapter name -> identity, as the engine loaded it."""
+
 
 def event_id(epoch: str, seq: int) -> str:
     return f"{epoch}-{seq}"
@@ -78,6 +90,7 @@ class KVHello(_Message):
     prompt_tokens_per_second: float = Field(default=0.0, ge=0)  # measured; 0 = not yet
     pull_bytes_per_second: float = Field(default=0.0, ge=0)  # measured; 0 = no pull yet
     step_seconds: float = Field(default=0.0, ge=0)  # a step's time (EWMA): an export's wait
+    adapters: AdapterIdentities | None = None  # None: an engine that does not say
 
 
 class KVSnapshot(_Message):
@@ -85,6 +98,7 @@ class KVSnapshot(_Message):
 
     seq: int = Field(ge=0)
     stored: list[tuple[HexHash, HexHash]]  # [hash, parent]
+    adapters: AdapterIdentities | None = None
 
 
 class KVEventBatch(_Message):
@@ -98,3 +112,4 @@ class KVEventBatch(_Message):
     prompt_tokens_per_second: float = Field(default=0.0, ge=0)
     pull_bytes_per_second: float = Field(default=0.0, ge=0)
     step_seconds: float = Field(default=0.0, ge=0)
+    adapters: AdapterIdentities | None = None  # only when they changed since the last sent

@@ -4,6 +4,9 @@ Behind the engine key like every `/internal/kv/*` route (only the gateway and th
 deployment's own engines hold it): the stream names which prompts' prefixes this replica
 holds. At most `MAX_SUBSCRIBERS` streams at once (a 503 past that); each reads the engine's
 bounded ring from its own position, so a slow reader costs nothing but a snapshot later.
+The resident LoRA adapters' identities go with the hello, each snapshot, and the first batch
+after they changed (a load or eviction logs an empty batch to wake the streams): they are
+the roots of adapter chains, which the gateway needs to hash an adapter's prompt.
 """
 
 from __future__ import annotations
@@ -52,7 +55,13 @@ def hello(state: ServingState) -> dict[str, Any]:
         "fingerprint": store.fingerprint if store is not None else None,
         **_rates(state),
         "bytes_per_token": bytes_per_token,
+        "adapters": adapters(state),
     }
+
+
+def adapters(state: ServingState) -> dict[str, int]:
+    """Resident adapter name -> identity (none without --enable-lora)."""
+    return state.loras.identities() if state.loras is not None else {}
 
 
 def _rates(state: ServingState) -> dict[str, float]:
@@ -97,14 +106,20 @@ def add_kv_event_routes(app: FastAPI, state: ServingState) -> None:
 
 async def _snapshot(state: ServingState) -> tuple[int, bytes]:
     seq, cached = await state.engine.call(state.engine.kv_snapshot)
-    data = {"seq": seq, "stored": [[hash_hex(h), hash_hex(p)] for h, p in cached]}
+    data = {
+        "seq": seq,
+        "stored": [[hash_hex(h), hash_hex(p)] for h, p in cached],
+        "adapters": adapters(state),
+    }
     return seq, sse(SNAPSHOT_EVENT, data, event_id(state.engine.kv_events.epoch, seq))
 
 
 async def _stream(state: ServingState, sub: Subscription, seq: int | None) -> AsyncIterator[bytes]:
     log = state.engine.kv_events
     try:
-        yield sse(HELLO_EVENT, hello(state))
+        first = hello(state)
+        sent = first["adapters"]  # the adapters this stream last told of
+        yield sse(HELLO_EVENT, first)
         if seq is None or log.since(seq) is None:
             seq, snap = await _snapshot(state)
             yield snap
@@ -117,8 +132,10 @@ async def _stream(state: ServingState, sub: Subscription, seq: int | None) -> As
                 yield snap
                 continue
             for batch in batches:
-                seq = batch.seq
-                yield sse(BATCH_EVENT, batch_data(state, batch), event_id(log.epoch, seq))
+                seq, data, now = batch.seq, batch_data(state, batch), adapters(state)
+                if now != sent:
+                    data["adapters"] = sent = now
+                yield sse(BATCH_EVENT, data, event_id(log.epoch, seq))
             if batches:
                 idle_since = time.monotonic()
             try:

@@ -104,6 +104,11 @@ class KVEventLog:
                 sub.loop.call_soon_threadsafe(sub.wake.set)
 
     # ---- any thread ---------------------------------------------------------------------
+    def mark(self) -> None:
+        """Log an empty batch (any thread): the resident adapters changed, and each stream
+        wakes to send their identities with it (`kv_event_routes`)."""
+        self.append(PendingBatch([], [], False))
+
     def since(self, seq: int) -> list[LoggedBatch] | None:
         """Batches after `seq`; None when the ring no longer holds the one right after it."""
         with self._lock:

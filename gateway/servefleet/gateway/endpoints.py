@@ -181,15 +181,24 @@ class PromptCount:
 
 def hash_block_size(route: TenantRoute, parsed: dict[str, Any], chat: bool) -> int | None:
     """The block size to hash the prompt's KV blocks with, or None not to: only for our
-    engines (`kv_pull_min_tokens` set), not for a LoRA adapter (its chain's root is the
-    adapter's weights digest, which the gateway does not have) and not for a chat with
-    tools (the gateway renders the template without them, so the blocks would differ)."""
+    engines (`kv_pull_min_tokens` set), and not for a chat with tools (the gateway renders
+    the template without them, so the blocks would differ)."""
     config = route.pool.config
-    if config.kv_pull_min_tokens is None or route.adapter is not None:
+    if config.kv_pull_min_tokens is None:
         return None
     if chat and parsed.get("tools"):
         return None
     return config.block_size
+
+
+def chain_root(route: TenantRoute, salt: str | None) -> int | None:
+    """The root of the prompt's KV chain as the engines compute it: the base model's, or a
+    LoRA adapter's from the identity its replicas report (`KVIndex.adapter_identity`); None
+    (do not hash: route by affinity) while no replica reports one, or they disagree."""
+    if route.adapter is None:
+        return root_hash(None, salt)
+    identity = route.pool.kv_index.adapter_identity(route.adapter.name)
+    return None if identity is None else root_hash(identity, salt)
 
 
 def cache_salt_for(route: TenantRoute, parsed: dict[str, Any]) -> str | None:
@@ -226,9 +235,10 @@ async def count_prompt(
         exact = await counter.count(partial(counter.completion, text), shape.total_chars)
         tokens = shape.estimated_tokens if exact is None else exact
         return PromptCount(tokens, shape.affinity_key)
-    block_size = hash_block_size(route, parsed, chat)
+    root = chain_root(route, salt)
+    block_size = hash_block_size(route, parsed, chat) if root is not None else None
     counted_with = counter.chat_counted if chat else counter.completion_counted
-    work = partial(counted_with, text, block_size, root_hash(None, salt))
+    work = partial(counted_with, text, block_size, root_hash(None, salt) if root is None else root)
     counted = await counter.count(work, shape.total_chars)
     if counted is None:
         return PromptCount(shape.estimated_tokens, shape.affinity_key)

@@ -6,6 +6,10 @@ One `KVIndex` per deployment pool: hash → holders and replica → hashes, fed 
 cut off at it), so the index costs at most ~100 bytes per (block, replica). A replica that
 leaves, or whose stream resets, is dropped and rebuilt from its next snapshot. The index is a
 hint for routing: the engine that gets the request hashes and checks its own cache.
+
+Each replica's resident LoRA adapters (name -> identity, from its events) are kept too: an
+adapter's chain starts at `root_hash(identity, salt)`, so the gateway can hash an adapter's
+prompt only once the replicas that report the name agree on one identity (`adapter_identity`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ class ReplicaCache:
     pull_bps: float = 0.0
     step_s: float = 0.0
     lag_s: float = 0.0  # how late its newest applied batch was (`EVENTS_LAG_METRIC`)
+    adapters: dict[str, int] = field(default_factory=dict)  # resident: name -> identity
+
+    def learn_adapters(self, adapters: dict[str, int] | None) -> None:
+        """None: the engine did not say (older, or nothing changed): keep what was known."""
+        if adapters is not None:
+            self.adapters = dict(adapters)
 
 
 class KVIndex:
@@ -57,6 +67,7 @@ class KVIndex:
         cache.prompt_tps = hello.prompt_tokens_per_second or cache.prompt_tps
         cache.pull_bps = hello.pull_bytes_per_second or cache.pull_bps
         cache.step_s = hello.step_seconds or cache.step_s
+        cache.learn_adapters(hello.adapters)
 
     def snapshot(self, endpoint: str, snap: KVSnapshot) -> None:
         cache = self.per_replica.get(endpoint)
@@ -64,6 +75,7 @@ class KVIndex:
             return
         self._clear(endpoint, cache)
         self._store(endpoint, cache, (h for h, _ in snap.stored))
+        cache.learn_adapters(snap.adapters)
 
     def batch(self, endpoint: str, batch: KVEventBatch, now: float | None = None) -> None:
         cache = self.per_replica.get(endpoint)
@@ -78,6 +90,7 @@ class KVIndex:
         cache.prompt_tps = batch.prompt_tokens_per_second or cache.prompt_tps
         cache.pull_bps = batch.pull_bytes_per_second or cache.pull_bps
         cache.step_s = batch.step_seconds or cache.step_s
+        cache.learn_adapters(batch.adapters)
 
     def drop(self, endpoint: str) -> None:
         cache = self.per_replica.pop(endpoint, None)
@@ -89,6 +102,12 @@ class KVIndex:
             self.drop(endpoint)
 
     # ---- read by routing -----------------------------------------------------------------
+    def adapter_identity(self, name: str) -> int | None:
+        """The identity every replica that reports adapter `name` reports; None when none
+        does, or when they disagree (different files under one name: no chain is sure)."""
+        seen = {c.adapters[name] for c in self.per_replica.values() if name in c.adapters}
+        return seen.pop() if len(seen) == 1 else None
+
     def held_runs(self, hashes: tuple[int, ...]) -> dict[str, int]:
         """Per replica holding the first block: how many of `hashes`, from the first, it
         holds (the longest cached prefix it would hit)."""

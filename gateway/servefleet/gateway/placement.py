@@ -1,6 +1,7 @@
 """Where one request goes: the replica, and where its prefix's KV may be pulled from.
 
-By the cached contents first (`kv_cost`: a hashed prompt, no adapter), else by the affinity
+By the cached contents first (`kv_cost`: a hashed prompt, an adapter's too once its
+replicas agree on its identity: `endpoints.chain_root`), else by the affinity
 rule (`routing`): the prompt's affine replica unless it is much busier than the least-loaded
 one, preferring holders of the request's LoRA adapter. A request of the batch class sees each
 replica `reserve` slots smaller (the slots kept free for interactive requests). Pure choice:
@@ -37,7 +38,7 @@ def choose_target(
 ) -> tuple[Target | None, Decision | None]:
     """(where the request goes or None when no replica has room, the KV routing decision
     to count or None when its prompt was not routed by contents)."""
-    if request.adapter is None and request.block_hashes:
+    if request.block_hashes:
         option = route_by_contents(
             replicas.replicas.values(), kv_index, request.block_hashes, now, config, reserve
         )

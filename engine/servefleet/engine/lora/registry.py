@@ -8,7 +8,9 @@ resident adapter is busy a load is refused (503, retry later) rather than failin
 mid-generation. A request holds the adapter object it resolved at admission, so one that is
 evicted or unloaded while the request is still being prepared finishes under it all the
 same. Loading reads files and lays tensors out: the server runs it off the event loop, and
-a lock keeps two loads from racing.
+a lock keeps two loads from racing. `on_change` hears of every change of what is resident
+(a load, an eviction, an unload): the KV event stream publishes the resident adapters'
+identities from it, so the gateway can hash adapter prompts as the engine does.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ class LoraRegistry:
         in_use: Callable[[], Collection[str]],
         metrics: LoraMetrics | None = None,
         max_bytes: int | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.max_loras = max_loras
         self.max_bytes = max_bytes
         self.metrics = metrics
         self._loader = loader
         self._in_use = in_use
+        self._on_change = on_change
         self._resident: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -68,6 +72,15 @@ class LoraRegistry:
     def names(self) -> list[str]:
         with self._lock:
             return list(self._resident)
+
+    def identities(self) -> dict[str, int]:
+        """Resident adapter name -> `LoraAdapter.identity` (its KV chain's root)."""
+        with self._lock:
+            return {name: adapter.identity for name, adapter in self._resident.items()}
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def get(self, name: str) -> LoraAdapter | None:
         with self._lock:
@@ -100,6 +113,7 @@ class LoraRegistry:
                 self._resident.move_to_end(name)
             seconds = time.monotonic() - started
             self._count_load(seconds, len(evicted))
+            self._changed()
             return adapter, True
 
     def _count_load(self, seconds: float, evictions: int) -> None:
@@ -116,6 +130,7 @@ class LoraRegistry:
         with self._lock:
             if self._resident.pop(name, None) is None:
                 raise AdapterNotFound(name)
+        self._changed()
 
     def resolve(self, name: str) -> LoraAdapter | None:
         """The adapter a request asked for (None: not loaded), marked recently used."""

@@ -30,7 +30,8 @@ def adapter_dtype(model: LlamaForCausalLM) -> torch.dtype:
 
 def build_lora_registry(config: EngineConfig, loaded: LoadedModel, engine: Engine) -> LoraRegistry:
     """Adapters laid out for the model's LoRA path and on its device; the engine's sequences
-    say which may not be evicted."""
+    say which may not be evicted; every change of the resident set is published on the KV
+    event stream (`KVEventLog.mark`)."""
     dtype, device = adapter_dtype(loaded.model), loaded.model.norm.device
 
     def loader(name: str, directory: Path) -> LoraAdapter:
@@ -42,4 +43,5 @@ def build_lora_registry(config: EngineConfig, loaded: LoadedModel, engine: Engin
         engine.adapter_usage.names,
         engine.metrics.lora,
         max_bytes=config.lora_memory_bytes,
+        on_change=engine.kv_events.mark,
     )
