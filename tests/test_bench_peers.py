@@ -23,7 +23,7 @@ from servefleet.bench.peer_commands import (
     PeerSkipped,
     resolve_peers,
 )
-from servefleet.bench.rss import tree_pids, tree_rss_bytes
+from servefleet.bench.rss import tree_pids, tree_pss_bytes, tree_rss_bytes
 
 SETTINGS = PeerSettings(gguf="/models/smol.gguf")
 
@@ -120,6 +120,30 @@ def test_rss_covers_the_process_tree() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+SHARED_PAGES = """
+import os, time
+held = bytearray(os.urandom(1 << 20) * 96)  # 96 MiB, every page touched
+if os.fork() == 0:  # the child shares them copy-on-write
+    time.sleep(60)
+print("forked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_pss_counts_pages_a_forked_child_shares_once() -> None:
+    """RSS counts the 96 MiB in parent and child; PSS splits them between the two."""
+    tree = subprocess.Popen([sys.executable, "-c", SHARED_PAGES], stdout=subprocess.PIPE)
+    try:
+        assert tree.stdout is not None and tree.stdout.readline().strip() == b"forked"
+        held = 96 << 20
+        assert tree_rss_bytes(tree.pid) > 2 * held
+        assert held < tree_pss_bytes(tree.pid) < 1.5 * held
+    finally:
+        for pid in reversed(tree_pids(tree.pid)):
+            os.kill(pid, 9)
+        tree.wait()
 
 
 STAND_IN_LLAMA_SERVER = r"""

@@ -146,7 +146,8 @@ def start_arms(
     for engine, record in zip(engines, records, strict=True):
         assert engine.pid is not None
         rss = stack.enter_context(RssSampler(engine.pid))
-        started[record["name"]] = (engine, rss, {**record, "ready_rss_mb": rss.sample() / MB})
+        ready = {"ready_rss_mb": rss.sample() / MB, "ready_pss_mb": rss.pss_samples[-1] / MB}
+        started[record["name"]] = (engine, rss, {**record, **ready})
     return started
 
 
@@ -187,6 +188,7 @@ def arm_results(
     for name, (_, rss, record) in started.items():
         figures = {key: median(v) for key, v in values[name].items()}
         figures["peak_rss_mb"] = rss.peak_bytes / MB
+        figures["peak_pss_mb"] = rss.peak_pss_bytes / MB
         results.append({**record, "figures": figures, "per_round": values[name]})
     return results
 

@@ -31,6 +31,7 @@ FIGURES: dict[str, tuple[str, bool]] = {
     "long_prompt.ttft_p50_ms": ("1k unique prompt TTFT p50 (ms)", False),
     "shared_prefix.second_ttft_p50_ms": ("1k shared prefix, 2nd TTFT p50 (ms)", False),
     "peak_rss_mb": ("peak RSS (MB)", False),
+    "peak_pss_mb": ("peak PSS (MB)", False),
 }
 
 

@@ -144,7 +144,9 @@ class PeerServer(EngineProcess):
         self.argv = peer.argv_for(self.port)
 
 
-def headline(runs: dict[str, dict[str, Any]], peak_rss_bytes: int) -> dict[str, Any]:
+def headline(
+    runs: dict[str, dict[str, Any]], peak_rss_bytes: int, peak_pss_bytes: int
+) -> dict[str, Any]:
     """The figures compared across peers (p50 latencies in ms)."""
     c1, c16, prefix = runs["random_c1"], runs["random_c16"], runs["shared_prefix_c1"]
     return {
@@ -156,6 +158,7 @@ def headline(runs: dict[str, dict[str, Any]], peak_rss_bytes: int) -> dict[str, 
         "ttft_p50_ms_c16": c16["ttft_ms"]["p50"],
         "shared_prefix_ttft_p50_ms": prefix["ttft_ms"]["p50"],
         "peak_rss_mb": peak_rss_bytes / MB,
+        "peak_pss_mb": peak_pss_bytes / MB,
         "failed": sum(run["failed"] for run in runs.values()),
     }
 
@@ -179,7 +182,7 @@ def run_peer(args: argparse.Namespace, settings: PeerSettings, peer: PeerCommand
     return {
         **base,
         "status": "measured",
-        **headline(runs, rss.peak_bytes),
+        **headline(runs, rss.peak_bytes, rss.peak_pss_bytes),
         "ready_rss_mb": ready_rss / MB,
         "runs": runs,
     }
