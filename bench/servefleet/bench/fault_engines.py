@@ -185,7 +185,7 @@ def _compare(
 def _rejoin(stack: Stack, engine: Part, deadline: float) -> None:
     _wait_ready(engine, deadline)
     for gateway in stack.gateways:
-        _wait_for_replicas(gateway, len(stack.engines), deadline)
+        _wait_for_replicas(gateway, stack.engines, deadline)
 
 
 def _kill_mid_stream(engine: Part) -> dict[str, Any]:
@@ -259,7 +259,7 @@ def _add_engine(stack: Stack, index: int) -> float:
     stack.engines.append(engine)
     stack.publish_engines()
     for gateway in stack.gateways:
-        _wait_for_replicas(gateway, len(stack.engines), time.monotonic() + 30)
+        _wait_for_replicas(gateway, stack.engines, time.monotonic() + 30)
     return round(time.monotonic() - started, 1)
 
 

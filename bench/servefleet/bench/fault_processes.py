@@ -129,7 +129,7 @@ def restart_gateway(stack: Stack, gateway: Part) -> None:
     gateway.start()
     deadline = time.monotonic() + 60
     wait_ready(gateway, deadline)
-    wait_for_replicas(gateway, len(stack.engines), deadline)
+    wait_for_replicas(gateway, stack.engines, deadline)
 
 
 def engine_drain(stack: Stack, scale: Scale) -> ScenarioResult:
@@ -160,5 +160,5 @@ def engine_drain(stack: Stack, scale: Scale) -> ScenarioResult:
     deadline = time.monotonic() + stack.shape.ready_timeout_s
     wait_ready(leaving, deadline)
     for each in stack.gateways:
-        wait_for_replicas(each, len(stack.engines), deadline)
+        wait_for_replicas(each, stack.engines, deadline)
     return result

@@ -42,6 +42,10 @@ INTERNAL_KEY = "sk-internal-fault-suite"
 # Small engines that share two cores: one thread each, a few sequences, a small KV cache.
 ENGINE_ARGS = ["--threads", "1", "--kv-cache-memory", "128MiB", "--drain-timeout", "30"]
 
+# Gateways up and every engine seen ready by each: under a full CI machine (other e2e streams
+# beside it) two gateways' probes once took over a minute to see two ready engines.
+GATEWAYS_READY_S = 180.0
+
 
 class StackError(RuntimeError):
     """A part of the stack did not start; the message carries its log's tail."""
@@ -147,10 +151,10 @@ class Stack:
         for i in range(self.shape.gateways):
             self.gateways.append(self._gateway_part(i, config))
             self.gateways[-1].start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + GATEWAYS_READY_S
         for gateway in self.gateways:
             wait_ready(gateway, deadline)
-            wait_for_replicas(gateway, len(self.engines), deadline)
+            wait_for_replicas(gateway, self.engines, deadline)
             warm_up(gateway)
 
     def stop(self) -> None:
@@ -270,13 +274,29 @@ def warm_up(gateway: Part) -> None:
         raise StackError(f"{gateway.name} answered {response.status_code}: {response.text[:300]}")
 
 
-def wait_for_replicas(gateway: Part, count: int, deadline: float) -> None:
-    """Until the gateway's probes have marked `count` replicas ready."""
+def wait_for_replicas(gateway: Part, engines: list[Part], deadline: float) -> None:
+    """Until the gateway's probes have marked every engine ready; else what each engine's
+    /ready answered and how long it took (the gateway's probes give up after 2 s)."""
+    seen: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        if deployment_stats(gateway).get("ready_replicas") == count:
+        seen = deployment_stats(gateway)
+        if seen.get("ready_replicas") == len(engines):
             return
         time.sleep(0.2)
-    raise StackError(f"{gateway.name} never saw {count} ready replicas:\n{gateway.tail()}")
+    raise StackError(
+        f"{gateway.name} never saw {len(engines)} ready replicas (it reports "
+        f"{seen.get('ready_replicas')}; engines: {'; '.join(_ready_answer(e) for e in engines)}):"
+        f"\n{gateway.tail()}"
+    )
+
+
+def _ready_answer(engine: Part) -> str:
+    started = time.monotonic()
+    try:
+        status: object = httpx.get(engine.url + "/ready", timeout=10).status_code
+    except httpx.HTTPError as exc:
+        status = repr(exc)
+    return f"{engine.name} /ready {status} in {time.monotonic() - started:.1f}s"
 
 
 def deployment_stats(gateway: Part) -> dict[str, Any]:
