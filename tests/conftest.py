@@ -14,6 +14,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+from tests.support.redis_server import redis_port  # noqa: E402, F401  (a fixture)
+
 BUILTIN = "smollm2-135m-instruct"
 
 

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +26,9 @@ from servefleet.gateway.batch_demand import OpenWork
 from servefleet.gateway.batch_lease import LocalLease, RedisBatchLease
 from servefleet.gateway.batch_runner import BatchRunner, LineCaller
 from servefleet.gateway.batch_store_folder import FolderBatchStore
-from tests.test_gateway_limits import start_redis
+from tests.support.redis_server import start_redis
 
 Call = tuple[str, int]  # (runner, line number; unique across a test's batches)
-
-
-@pytest.fixture
-def redis_port() -> Iterator[int]:
-    port = free_port()
-    proc = start_redis(port)
-    yield port
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def _client(port: int) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import calendar
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import yaml
 
 from servefleet.api.budgets import BUDGET_WARN_RATIO, TokenPrices
 from servefleet.api.llmdeployment import TenantLimits
-from servefleet.bench.processes import free_port
 from servefleet.gateway.budgets import (
     Budget,
     budgets_of,
@@ -25,7 +23,6 @@ from servefleet.gateway.budgets import (
 )
 from servefleet.gateway.limits import LimitPolicy, LimitScope, LocalLimiter, RequestTooLarge
 from servefleet.gateway.limits_redis import RedisLimiter
-from tests.test_gateway_limits import start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 # 2026-12-31 23:00 UTC: an hour before both a day and a month end.
@@ -138,15 +135,6 @@ def test_the_alert_fires_where_the_headers_start() -> None:
 
 
 # --- a real Redis shared by two gateway instances --------------------------------------
-
-
-@pytest.fixture
-def redis_port() -> Iterator[int]:
-    port = free_port()
-    proc = start_redis(port)
-    yield port
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def gateway(port: int, wall: Wall | None = None) -> RedisLimiter:

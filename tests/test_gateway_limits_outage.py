@@ -23,7 +23,7 @@ from servefleet.gateway.budgets import Budget
 from servefleet.gateway.limits import LimitDecision, LimitPolicy, LimitScope, LocalLimiter
 from servefleet.gateway.limits_failover import FailoverLimiter
 from servefleet.gateway.limits_redis import RedisLimiter
-from tests.test_gateway_limits import start_redis
+from tests.support.redis_server import start_redis
 
 DAILY = 1000
 REDIS_TIMEOUT_S = 2.0
